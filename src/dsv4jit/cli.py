@@ -1,0 +1,414 @@
+"""``python -m dsv4jit`` / ``dsv4jit``: precompile, list, clean, info.
+
+Exit codes: 0 success; 1 a build (or check) failed; 2 usage or toolchain error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from . import __version__, env
+from .errors import DSV4JITError, DSV4JITToolchainError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Selection helpers
+
+
+def _archs(text: str | None) -> list:
+    from .jit.toolchain import Arch, device_arch
+
+    if text in (None, ""):
+        if forced := env.cuda_arch():
+            return [Arch.parse(forced)]
+        text = "auto"
+    if text == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("no GPU is visible: pass --arch (e.g. --arch 9.0a) or set DSV4JIT_CUDA_ARCH")
+        return sorted({device_arch(i) for i in range(torch.cuda.device_count())}, key=str)
+    try:
+        return [Arch.parse(a) for a in text.split(",") if a.strip()]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _variants(kernels: list[str] | None, sets: list[str] | None) -> list:
+    from .jit.kernels import SPECS
+    from .jit.registry import parse_variant_id, unique
+
+    for k in kernels or []:
+        if k not in SPECS:
+            raise UsageError(f"unknown kernel {k!r}; known: {', '.join(sorted(SPECS))}")
+    specs = [SPECS[k] for k in kernels] if kernels else list(SPECS.values())
+    out = []
+    for s in sets or ["default"]:
+        if s == "default":
+            out += [v for spec in specs for v in spec.serving_variants()]
+        elif s == "all":
+            out += [v for spec in specs for v in spec.all_variants()]
+        else:
+            try:
+                out.append(parse_variant_id(s, SPECS))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+    return unique(out)
+
+
+def _targets(args) -> list[tuple]:
+    """(variant, arch) pairs; host-only kernels build once for the host target."""
+    from .jit.toolchain import Arch
+
+    variants = _variants(args.kernel, args.set)
+    needs_gpu_arch = any(v.spec.target == "cuda" for v in variants)
+    archs = _archs(args.arch) if needs_gpu_arch else []
+    pairs = []
+    for v in variants:
+        for a in ([Arch.host()] if v.spec.target == "host" else archs):
+            pairs.append((v, a))
+    return pairs
+
+
+def _default_jobs(n: int) -> int:
+    if explicit := env.jobs():
+        return explicit
+    try:
+        with open("/proc/meminfo") as f:
+            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        by_mem = int(avail_kb / 2**20 // env.job_mem_gb())
+    except (OSError, StopIteration):
+        by_mem = os.cpu_count() or 1
+    return max(1, min(os.cpu_count() or 1, by_mem, n))
+
+
+def _emit(args, payload, lines: list[str]) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, indent=1, default=str))
+    else:
+        for line in lines:
+            print(line)
+
+
+# --------------------------------------------------------------------------------------------
+# Subcommands
+
+
+def cmd_precompile(args) -> int:
+    from .jit import build, loader
+
+    if args.cache_dir:
+        os.environ["DSV4JIT_CACHE_DIR"] = args.cache_dir
+    pairs = _targets(args)
+    todo, results = [], []
+    for v, a in pairs:
+        res = loader.resolve(v, a)
+        if res.info is None:
+            raise DSV4JITToolchainError("no compiler found for precompile (nvcc / host C++ compiler)")
+        if res.entry is not None and not env.force_rebuild():
+            results.append({"variant": v.id, "arch": a.name, "status": "cached", "entry": str(res.entry)})
+        else:
+            todo.append(res)
+    if args.dry_run:
+        results += [{"variant": r.variant.id, "arch": r.arch.name, "status": "would build", "key": r.info.key}
+                    for r in todo]
+        _emit(args, {"results": results}, [f"{r['status']:>11}  {r['variant']}  {r['arch']}" for r in results])
+        return EXIT_OK
+    jobs = args.jobs or _default_jobs(len(todo))
+    start = time.monotonic()
+    failed = 0
+
+    def one(res):
+        t = time.monotonic()
+        build.build(res.variant, res.arch, _toolchain_for(res.arch), res.info, res.command,
+                    "precompile", loader._load_module)
+        return time.monotonic() - t
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(one, r): r for r in todo}
+        for i, fut in enumerate(as_completed(futures), 1):
+            r = futures[fut]
+            try:
+                seconds = fut.result()
+                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "built",
+                                "seconds": round(seconds, 2)})
+                if not args.json:
+                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} {seconds:.1f}s", flush=True)
+            except DSV4JITError as e:
+                failed += 1
+                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "failed", "error": str(e)})
+                if not args.json:
+                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} FAILED\n{e}", flush=True)
+                if not args.keep_going:
+                    for f in futures:
+                        f.cancel()
+    wall = time.monotonic() - start
+    counts = {s: sum(r["status"] == s for r in results) for s in ("built", "cached", "failed")}
+    summary = f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}, {wall:.1f}s wall (-j {jobs})"
+    _emit(args, {"results": results, "summary": counts, "wall_seconds": round(wall, 2)}, [summary])
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _toolchain_for(arch):
+    from .jit.toolchain import toolchain
+
+    return toolchain(need_cuda=not arch.is_host)
+
+
+def cmd_list(args) -> int:
+    from .jit import cache, loader
+
+    if args.entries:
+        rows = []
+        known = {(v.id) for v in _variants(None, ["all"])}
+        for root in cache.roots():
+            for entry, m in cache.iter_entries(root):
+                rows.append({"root": str(root), "entry": str(entry), "variant": m.get("variant"),
+                             "arch": m.get("arch"), "key": m.get("key"), "size": m.get("size"),
+                             "build_seconds": m.get("build_seconds"), "orphan": m.get("variant") not in known})
+        _emit(args, {"entries": rows}, [f"{r['variant']}  {r['arch']}  {r['key']}  {r['size']} B"
+                                        f"{'  (orphan)' if r['orphan'] else ''}  {r['entry']}" for r in rows])
+        return EXIT_OK
+    rows = []
+    for v, a in _targets(args):
+        res = loader.resolve(v, a)
+        m = cache.read_manifest(res.entry) if res.entry else None
+        status = "cached" if res.entry else "missing"
+        if args.status != "all" and status != args.status:
+            continue
+        rows.append({"variant": v.id, "arch": a.name, "status": status,
+                     "key": res.info.key if res.info else None, "entry": str(res.entry) if res.entry else None,
+                     "size": m.get("size") if m else None, "build_seconds": m.get("build_seconds") if m else None})
+    _emit(args, {"variants": rows}, [f"{r['status']:>7}  {r['variant']}  {r['arch']}" +
+                                     (f"  {r['size']} B  {r['build_seconds']}s" if r["size"] else "") for r in rows])
+    return EXIT_OK
+
+
+def _parse_age(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if not m:
+        raise UsageError(f"--older-than must look like 30d, 12h, 90m or 3600s, got {text!r}")
+    return float(m.group(1)) * {"": 86400, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def cmd_clean(args) -> int:
+    from .jit import cache
+
+    root = env.cache_dir()
+    if not any((args.all, args.arch, args.kernel, args.stale, args.older_than, args.orphans)):
+        raise UsageError("clean needs a selection: --all, --arch, --kernel, --stale, --older-than or --orphans")
+    known = {v.id for v in _variants(None, ["all"])}
+    now = time.time()
+    base = root / f"v{cache.SCHEMA}"
+    doomed: list[Path] = []
+    if args.all or args.stale:  # old schemas, abandoned stages, swapped-out entries, failed-build logs
+        doomed += [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
+        doomed += [p for p in base.glob("*/*/.stage-*") if args.all or now - p.stat().st_mtime > env.build_timeout()]
+        doomed += list(base.glob("*/*/.old-*"))
+        doomed += [root / "failed"] if (root / "failed").is_dir() else []
+    max_age = _parse_age(args.older_than) if args.older_than else None
+    archs = {a.name for a in _archs(args.arch)} if args.arch else set()
+    for entry, m in cache.iter_entries(root):
+        arch, kernel = entry.parent.parent.name, entry.parent.name
+        if (args.all or arch in archs or kernel in (args.kernel or ())
+                or (args.orphans and m.get("variant") not in known)
+                or (max_age is not None and now - m.get("built_at", now) > max_age)):
+            doomed.append(entry)
+    doomed = sorted(set(doomed))
+    freed = sum(cache.dir_size(p) for p in doomed)
+    if not args.dry_run:
+        for p in doomed:
+            _remove_entry(p)
+    verb = "would free" if args.dry_run else "freed"
+    _emit(args, {"removed": [str(p) for p in doomed], "bytes": freed, "dry_run": args.dry_run},
+          [f"{'would remove' if args.dry_run else 'removed'} {p}" for p in doomed] +
+          [f"{verb} {freed} bytes in {len(doomed)} paths under {root}"])
+    return EXIT_OK
+
+
+def _remove_entry(path: Path) -> None:
+    """Delete an entry under its key lock, so a concurrent builder of that key is not disturbed."""
+    lock = path.parent / f"{path.name}.lock"
+    if lock.exists():
+        import filelock
+
+        with filelock.FileLock(str(lock)):
+            shutil.rmtree(path, ignore_errors=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from .jit import cache, loader
+    from .jit.toolchain import device_arch, toolchain
+
+    info: dict = {"dsv4jit": __version__, "python": sys.version.split()[0]}
+    try:
+        tc = toolchain(need_cuda=True)
+        info["nvcc"] = {"path": str(tc.nvcc), "cuda_root": str(tc.cuda_root),
+                        "version": tc.nvcc_version.splitlines()[-1] if tc.nvcc_version else ""}
+        info["cxx"] = {"path": str(tc.cxx), "version": tc.cxx_version.splitlines()[0]}
+    except DSV4JITToolchainError as e:
+        info["nvcc"] = {"error": str(e)}
+    tvm = cache.tvm_ffi_info()
+    info["tvm_ffi"] = {"version": tvm["version"], "include": str(tvm["include"])}
+    info["torch"] = {"version": torch.__version__,
+                     "dlpack_c_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__")}
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "arch": device_arch(i).name})
+    info["gpus"] = gpus
+    info["cache_roots"] = [{"path": str(r), "writable": i == 0 and cache.is_writable_root(r),
+                            "read_only_search_root": i > 0, "bytes": cache.dir_size(r) if r.exists() else 0}
+                           for i, r in enumerate(cache.roots())]
+    info["env"] = env.all_settings()
+    status = EXIT_OK
+    if args.variant:
+        from .jit.kernels import SPECS
+        from .jit.registry import parse_variant_id
+
+        v = parse_variant_id(args.variant, SPECS)
+        archs = [loader.Arch.host()] if v.spec.target == "host" else _archs(args.arch)
+        info["variant"] = []
+        for a in archs:
+            res = loader.resolve(v, a)
+            info["variant"].append({"arch": a.name, "key": res.info.key if res.info else None,
+                                    "entry": str(res.entry) if res.entry else None,
+                                    "document": res.info.document if res.info else None})
+    if args.check:
+        info["check"] = _self_check(args)
+        status = EXIT_OK if info["check"]["ok"] else EXIT_FAILED
+    lines = [f"dsv4jit {info['dsv4jit']} (python {info['python']})"]
+    nv = info["nvcc"]
+    lines.append(f"nvcc: {nv.get('path', '-')} ({nv.get('version', nv.get('error'))})")
+    if "cxx" in info:
+        lines.append(f"host compiler: {info['cxx']['path']} ({info['cxx']['version']})")
+    lines.append(f"tvm-ffi: {info['tvm_ffi']['version']} ({info['tvm_ffi']['include']})")
+    lines.append(f"torch: {info['torch']['version']} (dlpack exchange api: {info['torch']['dlpack_c_exchange_api']})")
+    lines += [f"gpu {g['index']}: {g['name']} -> {g['arch']}" for g in gpus] or ["gpus: none visible"]
+    lines += [f"cache root: {r['path']} ({'writable' if r['writable'] else 'read-only'}, {r['bytes']} B)"
+              for r in info["cache_roots"]]
+    lines += [f"env: {k}={v}" for k, v in info["env"].items()]
+    for item in info.get("variant", []):
+        lines.append(f"variant {args.variant} {item['arch']}: key {item['key']} entry {item['entry']}")
+        lines.append(json.dumps(item["document"], indent=1))
+    if "check" in info:
+        c = info["check"]
+        lines.append(f"check: {'ok' if c['ok'] else 'FAILED'} - {c['detail']}")
+    _emit(args, info, lines)
+    return status
+
+
+def _self_check(args) -> dict:
+    """Compile and load the trivial selftest kernel; run it when a GPU is present."""
+    import torch
+
+    from .jit import loader
+
+    try:
+        arch = _archs(args.arch)[0]
+        variant = loader.variant("selftest", dtype="fp32", pdl=arch.major >= 9 and not env.disable_pdl())
+        t = time.monotonic()
+        module = loader.load(variant, arch)
+        detail = f"{variant.id} for {arch} loaded in {time.monotonic() - t:.2f}s"
+        if torch.cuda.is_available():
+            x = torch.randn(4096, device="cuda")
+            out = torch.full_like(x, float("nan"))
+            module.affine(x, out, 2.0, 1.0)
+            torch.cuda.synchronize()
+            if not torch.equal(out, x * 2.0 + 1.0):
+                return {"ok": False, "detail": detail + "; GPU result mismatch"}
+            detail += "; ran on " + torch.cuda.get_device_name()
+        else:
+            detail += "; no GPU, not run"
+        return {"ok": True, "detail": detail}
+    except (DSV4JITError, UsageError) as e:
+        return {"ok": False, "detail": str(e)}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv4jit", description="dsv4jit kernel cache and tools")
+    p.add_argument("--version", action="version", version=f"dsv4jit {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def selection(sp, with_status=False):
+        sp.add_argument("--arch", help="targets, e.g. 9.0a or 9.0a,10.0a, or 'auto' (visible GPUs)")
+        sp.add_argument("--kernel", action="append", help="restrict to a kernel (repeatable)")
+        sp.add_argument("--set", action="append", help="'default' (serving set), 'all', or a variant id (repeatable)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    pc = sub.add_parser("precompile", help="build variants into the cache")
+    selection(pc)
+    pc.add_argument("-j", "--jobs", type=int, help="parallel builds (default: memory-aware)")
+    pc.add_argument("--cache-dir", help="write root (overrides DSV4JIT_CACHE_DIR)")
+    pc.add_argument("--keep-going", action="store_true", help="continue after a failed build")
+    pc.add_argument("--dry-run", action="store_true", help="show what would be built")
+    pc.set_defaults(func=cmd_precompile)
+
+    pl = sub.add_parser("list", help="variants and their cache status")
+    selection(pl)
+    pl.add_argument("--status", choices=("all", "cached", "missing"), default="all")
+    pl.add_argument("--entries", action="store_true", help="list what is on disk instead, incl. orphans")
+    pl.set_defaults(func=cmd_list)
+
+    pk = sub.add_parser("clean", help="delete cache entries (only inside the write root)")
+    pk.add_argument("--all", action="store_true")
+    pk.add_argument("--arch")
+    pk.add_argument("--kernel", action="append")
+    pk.add_argument("--stale", action="store_true", help="old schemas, abandoned stages, failed-build logs")
+    pk.add_argument("--older-than", help="entries built before this age, e.g. 30d")
+    pk.add_argument("--orphans", action="store_true", help="entries of variants the registry no longer has")
+    pk.add_argument("--dry-run", action="store_true")
+    pk.add_argument("--json", action="store_true")
+    pk.set_defaults(func=cmd_clean)
+
+    pi = sub.add_parser("info", help="toolchain, GPUs, cache roots, env; --check compiles a test kernel")
+    pi.add_argument("variant", nargs="?", help="show the key document of this variant id")
+    pi.add_argument("--arch")
+    pi.add_argument("--check", action="store_true", help="compile, load (and run on a GPU) a trivial kernel")
+    pi.add_argument("--json", action="store_true")
+    pi.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, env.log_level(), logging.INFO), format="%(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"dsv4jit: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (DSV4JITToolchainError, ValueError) as e:
+        print(f"dsv4jit: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except DSV4JITError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+// Kernel launch on torch's current stream of the tensors' device, with an optional
+// programmatic-dependent-launch attribute and a checked launch status.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/extra/cuda/device_guard.h>
+
+#include <utility>
+
+namespace dsv4 {
+
+/// Torch's current stream for `device` (set by the tvm-ffi call path from the torch arguments).
+inline cudaStream_t current_stream(DLDevice device) {
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device.device_id));
+}
+
+inline void check_cuda(const char* op, cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    TVM_FFI_THROW(RuntimeError) << "dsv4jit." << op << ": " << what << " failed: " << cudaGetErrorName(err) << ": "
+                                << cudaGetErrorString(err);
+  }
+}
+
+struct LaunchShape {
+  dim3 grid;
+  dim3 block;
+  size_t smem = 0;
+};
+
+/// Launch `kernel` on the current stream of `device`. Empty grids launch nothing. The caller
+/// holds the device guard when it issues other work (copies) for the same call.
+template <typename... Params, typename... Args>
+void launch(const char* op, DLDevice device, LaunchShape shape, bool pdl, void (*kernel)(Params...), Args&&... args) {
+  if (shape.grid.x == 0 || shape.grid.y == 0 || shape.grid.z == 0) return;
+  tvm::ffi::CUDADeviceGuard guard(device.device_id);
+  cudaLaunchConfig_t config{};
+  config.gridDim = shape.grid;
+  config.blockDim = shape.block;
+  config.dynamicSmemBytes = shape.smem;
+  config.stream = current_stream(device);
+  cudaLaunchAttribute attr[1];
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  check_cuda(op, cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch");
+}
+
+inline unsigned div_ceil(uint64_t a, uint64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+}  // namespace dsv4

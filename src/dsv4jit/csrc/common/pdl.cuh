@@ -1,0 +1,24 @@
+// Programmatic dependent launch (sm_90+): a kernel launched with the PDL attribute may start
+// before its predecessor finishes, so it must wait before reading anything produced upstream
+// (plans included), and may let its own dependents start early once its inputs are consumed.
+#pragma once
+
+#include "types.cuh"
+
+namespace dsv4 {
+
+template <bool kPDL>
+DSV4_DEV void pdl_wait_upstream() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kPDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <bool kPDL>
+DSV4_DEV void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kPDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+}  // namespace dsv4

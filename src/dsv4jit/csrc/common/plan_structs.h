@@ -1,0 +1,44 @@
+// The plan rows kernels exchange (byte layouts of SPEC §A; Python twin: dsv4jit/plan_layout.py).
+// Host and device code share these structs; plans travel as uint8 tensors [rows, sizeof(row)].
+#pragma once
+
+#include <cstdint>
+
+#include "macros.h"
+
+namespace dsv4 {
+
+inline constexpr uint32_t kInvalidU32 = 0xFFFFFFFFu;
+
+/// One compress event (prefill): the window closing at position seq_len - 1.
+struct alignas(16) CompressPlan {
+  uint32_t seq_len;     // p + 1, a multiple of the ratio; kInvalidU32 marks an invalid row
+  uint16_t ragged_id;   // ragged id of the closing token
+  uint16_t buffer_len;  // leading window slots read from the state buffer (rest: ragged input)
+  int32_t read_page_0;  // state page of max(p - R, 0) (c4 overlap half)
+  int32_t read_page_1;  // state page of p; meaningful iff buffer_len > 0 (paged planners)
+
+  DSV4_HD static CompressPlan invalid() { return {kInvalidU32, 0, 0, -1, -1}; }
+  DSV4_HD bool is_invalid() const { return seq_len == kInvalidU32; }
+};
+
+/// One token to store into the state ring (prefill).
+struct alignas(8) WritePlan {
+  uint32_t ragged_id;  // kInvalidU32 marks an invalid row
+  int32_t write_loc;   // state row
+
+  DSV4_HD static WritePlan invalid() { return {kInvalidU32, -1}; }
+  DSV4_HD bool is_invalid() const { return ragged_id == kInvalidU32; }
+};
+
+/// One request of a decode step (every row is processed).
+struct alignas(16) DecodePlan {
+  uint32_t seq_len;  // including the token being decoded
+  int32_t write_loc;
+  int32_t read_page_0;
+  int32_t read_page_1;
+};
+
+static_assert(sizeof(CompressPlan) == 16 && sizeof(WritePlan) == 8 && sizeof(DecodePlan) == 16);
+
+}  // namespace dsv4

@@ -1,0 +1,173 @@
+// Argument checks for entry points. Every failure raises a Python ValueError (bad shape, value,
+// layout) or TypeError (bad dtype or device) naming the op, the argument, the expectation and
+// what was received. Constraints only narrow: a symbolic size or device, once bound by one
+// argument, must be matched by every later one. Host-only code: usable without CUDA headers.
+#pragma once
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "dtypes.h"
+
+namespace dsv4 {
+
+inline std::string device_str(DLDevice d) {
+  switch (d.device_type) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda:" + std::to_string(d.device_id);
+    case kDLCUDAHost: return "cpu(pinned)";
+    default: return "device(" + std::to_string(d.device_type) + "):" + std::to_string(d.device_id);
+  }
+}
+
+inline bool is_host_memory(DLDevice d) { return d.device_type == kDLCPU || d.device_type == kDLCUDAHost; }
+
+/// A named dimension (e.g. "batch_size") whose value is fixed by the first argument that uses it.
+struct Size {
+  explicit Size(const char* name) : name(name) {}
+  const char* name;
+  int64_t value = -1;
+  std::string bound_by;
+  bool bound() const { return value >= 0; }
+};
+
+/// The device shared by several arguments, fixed by the first one checked.
+struct Device {
+  bool bound = false;
+  DLDevice dev{};
+  std::string bound_by;
+};
+
+/// One expected dimension: a literal, a symbolic Size, or anything.
+class Dim {
+ public:
+  Dim(int64_t fixed) : fixed_(fixed) {}  // NOLINT: literals read naturally in shape lists
+  Dim(int fixed) : fixed_(fixed) {}      // NOLINT
+  Dim(Size& sym) : sym_(&sym) {}         // NOLINT
+  static Dim any() { return Dim(int64_t{-1}); }
+  int64_t fixed() const { return fixed_; }
+  Size* sym() const { return sym_; }
+
+ private:
+  int64_t fixed_ = -1;
+  Size* sym_ = nullptr;
+};
+
+class Check {
+ public:
+  Check(const char* op, const char* arg, const tvm::ffi::TensorView& t) : op_(op), arg_(arg), t_(t) {
+    if (t_.byte_offset() != 0) fail_value("must have byte_offset 0 (pass a plain torch tensor or view)");
+  }
+
+  Check& shape(std::initializer_list<Dim> dims) {
+    if (t_.ndim() != static_cast<int>(dims.size())) {
+      fail_value("must have " + std::to_string(dims.size()) + " dimensions, got " + std::to_string(t_.ndim()));
+    }
+    int i = 0;
+    for (const Dim& d : dims) {
+      const int64_t got = t_.size(i);
+      if (Size* s = d.sym()) {
+        if (!s->bound()) {
+          s->value = got;
+          s->bound_by = arg_;
+        } else if (s->value != got) {
+          fail_value("dim " + std::to_string(i) + " ('" + s->name + "') must be " + std::to_string(s->value) +
+                     " (as in '" + s->bound_by + "'), got " + std::to_string(got));
+        }
+      } else if (d.fixed() >= 0 && d.fixed() != got) {
+        fail_value("dim " + std::to_string(i) + " must be " + std::to_string(d.fixed()) + ", got " +
+                   std::to_string(got));
+      }
+      ++i;
+    }
+    return *this;
+  }
+
+  Check& dtype(DLDataType expected) {
+    if (!same_dtype(t_.dtype(), expected)) fail_type("dtype must be " + dtype_str(expected) + ", got " + dtype_str(t_.dtype()));
+    return *this;
+  }
+
+  Check& dtype_in(std::initializer_list<DLDataType> allowed) {
+    std::string names;
+    for (DLDataType a : allowed) {
+      if (same_dtype(t_.dtype(), a)) return *this;
+      names += (names.empty() ? "" : " or ") + dtype_str(a);
+    }
+    fail_type("dtype must be " + names + ", got " + dtype_str(t_.dtype()));
+  }
+
+  /// On a CUDA device, the same one as every other argument checked against `dev`.
+  Check& cuda(Device& dev) {
+    if (t_.device().device_type != kDLCUDA) fail_type("must be a CUDA tensor, got device " + device_str(t_.device()));
+    return same_device(dev);
+  }
+
+  /// In host memory (pageable or pinned).
+  Check& cpu() {
+    if (!is_host_memory(t_.device())) fail_type("must be a CPU tensor, got device " + device_str(t_.device()));
+    return *this;
+  }
+
+  Check& same_device(Device& dev) {
+    const DLDevice d = t_.device();
+    if (!dev.bound) {
+      dev = Device{true, d, arg_};
+    } else if (dev.dev.device_type != d.device_type || dev.dev.device_id != d.device_id) {
+      fail_type("must be on " + device_str(dev.dev) + " (as '" + dev.bound_by + "'), got " + device_str(d));
+    }
+    return *this;
+  }
+
+  Check& contiguous() {
+    if (!t_.IsContiguous()) fail_value("must be contiguous (row-major)");
+    return *this;
+  }
+
+  Check& aligned(int bytes = 16) {
+    if (reinterpret_cast<uintptr_t>(t_.data_ptr()) % bytes != 0) {
+      fail_value("data pointer must be " + std::to_string(bytes) + "-byte aligned");
+    }
+    return *this;
+  }
+
+ private:
+  std::string describe() const {
+    std::ostringstream os;
+    os << "tensor=[";
+    for (int i = 0; i < t_.ndim(); ++i) os << (i ? ", " : "") << t_.size(i);
+    os << "] " << dtype_str(t_.dtype()) << " " << device_str(t_.device()) << " strides=[";
+    for (int i = 0; i < t_.ndim(); ++i) os << (i ? ", " : "") << t_.stride(i);
+    os << "]";
+    return os.str();
+  }
+  [[noreturn]] void fail_value(const std::string& what) const {
+    TVM_FFI_THROW(ValueError) << "dsv4jit." << op_ << ": argument '" << arg_ << "': " << what << "; " << describe();
+    __builtin_unreachable();
+  }
+  [[noreturn]] void fail_type(const std::string& what) const {
+    TVM_FFI_THROW(TypeError) << "dsv4jit." << op_ << ": argument '" << arg_ << "': " << what << "; " << describe();
+    __builtin_unreachable();
+  }
+
+  const char* op_;
+  const char* arg_;
+  const tvm::ffi::TensorView& t_;
+};
+
+/// Scalar argument check: ValueError "dsv4jit.<op>: argument '<name>' must be <expectation>, got <actual>".
+template <typename T>
+inline void expect(bool ok, const char* op, const char* name, const std::string& expectation, const T& actual) {
+  if (!ok) {
+    TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation
+                              << ", got " << actual;
+  }
+}
+
+}  // namespace dsv4

@@ -1,0 +1,317 @@
+"""Building one variant: the compile command, the per-key lock, staging and atomic publish.
+
+Protocol (never builds in place): take the per-key file lock, look again (another process may
+have published meanwhile), compile into ``.stage-*`` next to the entry, check the depfile against
+the scanned header closure, smoke-load the module, write the manifest last, then ``rename`` the
+stage into place. A builder killed at any point leaves only a stage folder, which the next builder
+of that key removes; readers never see a partial entry because they look for the manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+from .. import __version__, env
+from ..errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITLockTimeout
+from . import cache
+from .registry import Variant
+from .toolchain import Arch, Toolchain
+
+log = logging.getLogger("dsv4jit")
+
+WRAPPER = {"cuda": "wrapper.cu", "host": "wrapper.cc"}
+_DISK_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM}
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]  # run inside the stage folder
+    normalized: list[str]  # install locations replaced by tokens; enters the key
+
+
+def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
+    tvm = cache.tvm_ffi_info()
+    source = WRAPPER[variant.spec.target]
+    includes = [f"-I{cache.CSRC}", f"-I{tvm['include']}"]
+    if tvm["dlpack"] != tvm["include"]:
+        includes.append(f"-I{tvm['dlpack']}")
+    link = [f"-L{tvm['lib']}", "-ltvm_ffi"]
+    deps = ["-MD", "-MF", "deps.d"]
+    if variant.spec.target == "host":
+        opt = ["-O0", "-g"] if env.debug_build() else ["-O2"]
+        argv = [str(tc.cxx), "-shared", "-fPIC", "-std=c++20", *opt, "-Wall",
+                *deps, *includes, "-o", "module.so", source, *link]
+    else:
+        opt = ["-O0", "-G", "-g"] if env.debug_build() else ["-O3"]
+        extra = (["-use_fast_math"] if variant.spec.fast_math else []) + (["-lineinfo"] if env.lineinfo() else [])
+        argv = [str(tc.nvcc), "-ccbin", str(tc.cxx), "-shared", "-Xcompiler", "-fPIC", "-std=c++20", *opt,
+                "--expt-relaxed-constexpr", arch.gencode(), f"-DDSV4JIT_CUDA_ARCH={arch.number}",
+                "--threads", "1", *extra, *env.extra_cuda_flags(), *deps, *includes,
+                "-o", "module.so", source, *link]
+    tokens = [(str(cache.CSRC), "<pkg>"), (str(tvm["include"]), "<tvm_ffi>"), (str(tvm["dlpack"]), "<dlpack>"),
+              (str(tvm["lib"]), "<tvm_ffi_lib>"), (str(tc.cxx), "<cxx>")]
+    if tc.cuda_root is not None:
+        tokens.append((str(tc.cuda_root), "<cuda>"))
+    tokens.sort(key=lambda t: -len(t[0]))
+
+    def normalize(arg: str) -> str:
+        for path, token in tokens:
+            arg = arg.replace(path, token)
+        return arg
+
+    return Command(argv, [normalize(a) for a in argv])
+
+
+# --------------------------------------------------------------------------------------------
+# Locking
+
+
+def _lock_path(root: Path, arch: Arch, variant: Variant, key: str) -> Path:
+    base = env.lock_dir() / f"v{cache.SCHEMA}" / arch.name / variant.spec.name if env.lock_dir() else \
+        cache.kernel_dir(root, arch, variant)
+    base.mkdir(parents=True, exist_ok=True)
+    return base / f"{variant.slug}-{key}.lock"
+
+
+class KeyLock:
+    """flock on a file that is never deleted (waiters share its inode), with progress logs."""
+
+    def __init__(self, path: Path, variant: Variant):
+        self.path, self.variant = path, variant
+        self.owner = path.with_name(path.name + ".owner")
+        self.lock = filelock.FileLock(str(path))
+
+    def __enter__(self) -> "KeyLock":
+        start = time.monotonic()
+        limit = env.lock_timeout()
+        while True:
+            try:
+                self.lock.acquire(timeout=min(10.0, max(0.05, limit - (time.monotonic() - start))))
+                break
+            except filelock.Timeout:
+                waited = time.monotonic() - start
+                holder = self._holder()
+                if waited >= limit:
+                    raise DSV4JITLockTimeout(
+                        f"dsv4jit: gave up after {waited:.0f}s waiting for the build of {self.variant.id} "
+                        f"held by {holder} (lock {self.path}; DSV4JIT_LOCK_TIMEOUT)") from None
+                log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.variant.id, holder, waited)
+        self.waited = time.monotonic() - start
+        try:
+            self.owner.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                              "since": time.time(), "variant": self.variant.id}))
+        except OSError:
+            pass
+        return self
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads(self.owner.read_text())
+            return f"pid {info['pid']} on host {info['host']}"
+        except (OSError, ValueError, KeyError):
+            return "another process"
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
+# --------------------------------------------------------------------------------------------
+# Build and publish
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_stages(folder: Path, slug: str) -> None:
+    """Stages of this slug left by builders that died (same host, pid gone)."""
+    host = socket.gethostname()
+    for stage in folder.glob(f".stage-{slug}-*"):
+        try:
+            owner = json.loads((stage / "owner.json").read_text())
+        except (OSError, ValueError):
+            owner = None
+        if owner is None or (owner.get("host") == host and not _pid_alive(int(owner.get("pid", 0)))):
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _first_error(output: str, returncode: int) -> str:
+    if returncode in (137, -9):
+        return f"compiler killed (exit {returncode}): likely out of memory; lower -j or DSV4JIT_JOBS"
+    for line in output.splitlines():
+        low = line.lower()
+        if " error" in low or low.startswith("error") or "error:" in low or "ptxas fatal" in low:
+            return line.strip()
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else f"compiler exited with {returncode}"
+
+
+def _depfile_paths(depfile: Path) -> set[str]:
+    try:
+        text = depfile.read_text().replace("\\\n", " ")
+    except OSError:
+        return set()
+    paths = set()
+    for line in text.splitlines():
+        _, _, rest = line.partition(": ")
+        paths.update(p for p in rest.split() if p)
+    return paths
+
+
+def _check_depfile(variant: Variant, stage: Path, closure: dict[str, str]) -> None:
+    if "<tree>" in closure:
+        return
+    used = set()
+    for p in _depfile_paths(stage / "deps.d"):
+        path = (stage / p).resolve()
+        if cache.CSRC in path.parents:
+            used.add(str(path.relative_to(cache.CSRC)))
+    missed = used - set(closure)
+    if missed:
+        log.warning("dsv4jit: header scan of %s missed %s (found by the compiler); please report this",
+                    variant.id, sorted(missed))
+
+
+def write_root() -> Path:
+    """The write root, or a per-process temp root when it is not writable and the fallback allows."""
+    root = env.cache_dir()
+    if cache.is_writable_root(root):
+        return root
+    if env.cache_fallback() == "tmp":
+        fallback = _tmp_root()
+        log.warning("dsv4jit: cache dir %s is not writable; building into %s (DSV4JIT_CACHE_FALLBACK=tmp)",
+                    root, fallback)
+        return fallback
+    raise DSV4JITCacheError(
+        f"dsv4jit: the kernel cache dir {root} is not writable; set DSV4JIT_CACHE_DIR to a writable "
+        "folder, or DSV4JIT_CACHE_FALLBACK=tmp to build into a temporary folder")
+
+
+_TMP_ROOT: list[Path] = []
+
+
+def _tmp_root() -> Path:
+    if not _TMP_ROOT:
+        _TMP_ROOT.append(Path(tempfile.mkdtemp(prefix="dsv4jit-cache-")))
+    return _TMP_ROOT[0]
+
+
+def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, command: Command, reason: str,
+          load_module) -> tuple[object, Path]:
+    """Build and publish under the per-key lock; returns (loaded module, entry folder)."""
+    root = write_root()
+    folder = cache.kernel_dir(root, arch, variant)
+    entry = cache.entry_dir(root, arch, variant, info.key)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = KeyLock(_lock_path(root, arch, variant, info.key), variant)
+    except OSError as e:
+        raise _cache_error(e, folder) from e
+    with lock:
+        if lock.waited > 0.5 and (entry / "manifest.json").is_file() and not env.force_rebuild():
+            log.info("dsv4jit: %s for %s was built by another process (waited %.1fs)", variant.id, arch, lock.waited)
+            return load_module(entry / "module.so"), entry
+        _remove_dead_stages(folder, variant.slug)
+        stage = folder / f".stage-{variant.slug}-{info.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            stage.mkdir()
+            (stage / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+            (stage / WRAPPER[variant.spec.target]).write_text(variant.wrapper_source())
+        except OSError as e:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise _cache_error(e, folder) from e
+        log.info("dsv4jit: compiling %s for %s (reason: %s; key %s) ...", variant.id, arch, reason, info.key)
+        try:
+            module, seconds = _compile_and_check(variant, arch, info, command, stage, root, load_module)
+            _publish(stage, entry, info, variant, arch, seconds)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        log.info("dsv4jit: ... %s done in %.1fs -> %s", variant.id, seconds, entry)
+        return module, entry
+
+
+def _compile_and_check(variant, arch, info, command, stage, root, load_module):
+    start = time.monotonic()
+    log.debug("dsv4jit: key document for %s: %s", variant.id, json.dumps(info.document, indent=1))
+    log.debug("dsv4jit: command: %s", shlex.join(command.argv))
+    try:
+        res = subprocess.run(command.argv, cwd=stage, capture_output=not env.verbose_build(), text=True,
+                             timeout=env.build_timeout())
+        output, code = (res.stdout or "") + (res.stderr or ""), res.returncode
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or "") if isinstance(e.stdout, str) else ""
+        output += f"\ntimed out after {env.build_timeout():.0f}s (DSV4JIT_BUILD_TIMEOUT)"
+        code = -1
+    seconds = time.monotonic() - start
+    (stage / "build.log").write_text(shlex.join(command.argv) + "\n\n" + output)
+    if code != 0:
+        _fail(variant, arch, info, stage, root, command, _first_error(output, code))
+    _check_depfile(variant, stage, info.document["headers"])
+    try:
+        module = load_module(stage / "module.so")
+        missing = [name for name in variant.exports() if not hasattr(module, name)]
+        if missing:
+            raise RuntimeError(f"exports missing from the built module: {missing}")
+    except Exception as e:  # noqa: BLE001 - any load failure is a build failure
+        _fail(variant, arch, info, stage, root, command, f"built module does not load: {e}")
+    return module, seconds
+
+
+def _fail(variant, arch, info, stage, root, command, first_error) -> None:
+    failed = root / "failed" / f"{variant.slug}-{info.key}"
+    shutil.rmtree(failed, ignore_errors=True)
+    failed.mkdir(parents=True, exist_ok=True)
+    for name in ("build.log", WRAPPER[variant.spec.target]):
+        if (stage / name).exists():
+            shutil.copy2(stage / name, failed / name)
+    repro = f"cd {shlex.quote(str(failed))} && {shlex.join(command.argv)}"
+    raise DSV4JITBuildError(variant.id, arch.name, first_error, str(failed / "build.log"), repro)
+
+
+def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, arch: Arch, seconds: float) -> None:
+    manifest = {
+        "key": info.key, "source_key": info.source_key, "variant": variant.id, "arch": arch.name,
+        "document": info.document, "built_at": time.time(), "build_seconds": round(seconds, 3),
+        "size": (stage / "module.so").stat().st_size, "dsv4jit_version": __version__,
+        "depfile": sorted(_depfile_paths(stage / "deps.d")),
+    }
+    for name in ("owner.json", "deps.d"):
+        (stage / name).unlink(missing_ok=True)
+    try:
+        (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if entry.exists():  # forced rebuild: move the old entry aside, then swap
+            trash = entry.with_name(f".old-{entry.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(entry, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(stage, entry)
+    except OSError as e:
+        if entry.is_dir() and (entry / "manifest.json").is_file():
+            return  # another writer published the same key first; theirs is equivalent
+        raise _cache_error(e, entry.parent) from e
+
+
+def _cache_error(e: OSError, where: Path) -> Exception:
+    if e.errno in _DISK_ERRNOS:
+        return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror}; "
+                                 "set DSV4JIT_CACHE_DIR to a writable folder with free space")
+    return e

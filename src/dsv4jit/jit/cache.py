@@ -1,0 +1,200 @@
+"""Cache keys, roots and entries.
+
+An entry lives at ``<root>/v<SCHEMA>/<arch>/<kernel>/<slug>-<key>/`` and holds ``module.so``,
+``manifest.json`` (written last: its presence marks a complete entry) and ``build.log``. The key is
+a sha256 over a canonical JSON document: schema, variant id, generated wrapper text, digests of the
+in-package header closure, the normalised compile command, the arch, the compiler identity, the
+tvm-ffi version and include digest, and the platform. Install locations are replaced by tokens, so
+a copied or re-cloned package hits the same entries; the torch and Python versions are not part of
+the key because modules link neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import env
+from .registry import Variant
+from .toolchain import Arch, Toolchain
+
+SCHEMA = 1
+KEY_CHARS = 20
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*(?:"([^"]+)"|<([^>]+)>|(\S+))', re.M)
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_tree(root: Path, patterns=("*.h", "*.cuh", "*.hpp")) -> str:
+    h = hashlib.sha256()
+    for p in sorted(q for pat in patterns for q in root.rglob(pat)):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(_sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def header_closure(header: str, csrc: Path = CSRC) -> dict[str, str]:
+    """``{path relative to csrc: sha256}`` of every in-package file reachable from ``header``.
+
+    Quoted includes resolve against the including file's folder, then ``csrc``; files outside the
+    package (CUDA, tvm-ffi) are covered by the toolchain and tvm-ffi parts of the key. A computed
+    include (``#include MACRO``) makes the scan unreliable, so the whole tree digest is used instead.
+    """
+    seen: dict[str, str] = {}
+    todo = [csrc / header]
+    while todo:
+        path = todo.pop()
+        rel = str(path.relative_to(csrc))
+        if rel in seen:
+            continue
+        seen[rel] = _sha256_file(path)
+        for quoted, angled, computed in _INCLUDE.findall(path.read_text()):
+            if computed:
+                return {"<tree>": _digest_tree(csrc)}
+            name = quoted or angled
+            for base in ((path.parent, csrc) if quoted else (csrc,)):
+                cand = (base / name).resolve()
+                if cand.is_file() and csrc in cand.parents:
+                    todo.append(cand)
+                    break
+    return dict(sorted(seen.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _closure_memo(header: str) -> tuple:
+    return tuple(header_closure(header).items())
+
+
+@functools.lru_cache(maxsize=None)
+def tvm_ffi_info() -> dict:
+    """Version and include-folder digest of tvm-ffi (covers editable installs), plus its paths."""
+    import tvm_ffi
+    import tvm_ffi.libinfo as li
+
+    include = Path(li.find_include_path())
+    dlpack = Path(li.find_dlpack_include_path())
+    lib = Path(li.find_libtvm_ffi()).parent
+    return {"version": tvm_ffi.__version__, "include_digest": _digest_tree(include),
+            "include": include, "dlpack": dlpack, "lib": lib}
+
+
+def platform_tag() -> str:
+    libc, ver = platform.libc_ver()
+    return f"{platform.machine()}-{libc or 'unknown'}{ver}"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key: str
+    source_key: str  # key without the toolchain identity (lookup on hosts without nvcc)
+    document: dict
+
+
+def make_key(variant: Variant, arch: Arch, normalized_command: list[str], toolchain_identity: dict | None,
+             header_digests: dict[str, str] | None = None) -> KeyInfo:
+    tvm = tvm_ffi_info()
+    document = {
+        "schema": SCHEMA,
+        "variant": variant.id,
+        "wrapper": variant.wrapper_source(),
+        "headers": header_digests if header_digests is not None else dict(_closure_memo(variant.spec.header)),
+        "command": normalized_command,
+        "arch": arch.name,
+        "cudart": "none" if arch.is_host else "static",
+        "tvm_ffi": {"version": tvm["version"], "include_digest": tvm["include_digest"]},
+        "platform": platform_tag(),
+    }
+    source_key = _hash(document)
+    if toolchain_identity is not None:
+        document["toolchain"] = toolchain_identity
+    return KeyInfo(_hash(document), source_key, document)
+
+
+def _hash(document: dict) -> str:
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:KEY_CHARS]
+
+
+# --------------------------------------------------------------------------------------------
+# Roots and entries
+
+
+def roots() -> list[Path]:
+    """Write root first, then the read-only search roots."""
+    return [env.cache_dir(), *env.cache_path()]
+
+
+def kernel_dir(root: Path, arch: Arch, variant: Variant) -> Path:
+    return root / f"v{SCHEMA}" / arch.name / variant.spec.name
+
+
+def entry_dir(root: Path, arch: Arch, variant: Variant, key: str) -> Path:
+    return kernel_dir(root, arch, variant) / f"{variant.slug}-{key}"
+
+
+def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: str | None = None) -> Path | None:
+    """First complete entry in the roots. With no toolchain (``info`` None) match on the source key."""
+    for root in roots():
+        if info is not None:
+            entry = entry_dir(root, arch, variant, info.key)
+            if (entry / "manifest.json").is_file():
+                return entry
+            continue
+        folder = kernel_dir(root, arch, variant)
+        if not folder.is_dir():
+            continue
+        matches = []
+        for entry in folder.glob(f"{variant.slug}-*"):
+            manifest = read_manifest(entry)
+            if manifest and manifest.get("source_key") == source_key:
+                matches.append((manifest.get("built_at", 0), entry))
+        if matches:
+            return max(matches)[1]
+    return None
+
+
+def read_manifest(entry: Path) -> dict | None:
+    try:
+        return json.loads((entry / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def iter_entries(root: Path):
+    """Every complete entry under a root, with its manifest (for list/clean)."""
+    base = root / f"v{SCHEMA}"
+    if not base.is_dir():
+        return
+    for manifest_file in sorted(base.glob("*/*/*/manifest.json")):
+        manifest = read_manifest(manifest_file.parent)
+        if manifest is not None:
+            yield manifest_file.parent, manifest
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def is_writable_root(root: Path) -> bool:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(root, os.W_OK | os.X_OK)

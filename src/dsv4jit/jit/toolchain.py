@@ -1,0 +1,231 @@
+"""Compilers and target architectures.
+
+nvcc is found through DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, then /usr/local/cuda, and always
+resolved to the real toolkit (``nvcc --dryrun`` prints ``#$ TOP=<toolkit>/bin/..`` even through
+wrapper scripts). The identity that enters cache keys (version texts, real toolkit root) is
+remembered on disk per compiler file (path, size, mtime), so a warm load runs no subprocess.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import env
+from ..errors import DSV4JITToolchainError
+
+_NVCC_SEARCH = "DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda"
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A build target: ``sm_90a`` for a GPU, or ``host`` for host-only modules."""
+
+    name: str
+
+    @staticmethod
+    def host() -> "Arch":
+        return Arch("host")
+
+    @staticmethod
+    def parse(text: str) -> "Arch":
+        """Accepts ``9.0``, ``9.0a``, ``90a``, ``sm_90a``, ``compute_90a``; sm_90+ gets the ``a`` suffix."""
+        raw = text.strip().lower()
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)(?:\.(\d+))?([af]?)", raw)
+        if not m:
+            raise ValueError(f"invalid CUDA arch {text!r}: expected e.g. 9.0a, 90a or sm_90a")
+        major, minor, suffix = m.group(1), m.group(2), m.group(3)
+        if minor is None:
+            if len(major) < 2:
+                raise ValueError(f"invalid CUDA arch {text!r}: expected e.g. 9.0a, 90a or sm_90a")
+            major, minor = major[:-1], major[-1]
+        return Arch.from_capability(int(major), int(minor), suffix)
+
+    @staticmethod
+    def from_capability(major: int, minor: int, suffix: str | None = None) -> "Arch":
+        if suffix is None or suffix == "":
+            suffix = "a" if major >= 9 else ""
+        return Arch(f"sm_{major}{minor}{suffix}")
+
+    @property
+    def is_host(self) -> bool:
+        return self.name == "host"
+
+    @property
+    def number(self) -> int:
+        """Numeric arch (900 for sm_90a), as ``DSV4JIT_CUDA_ARCH`` seen by the C++ code."""
+        digits = re.sub(r"\D", "", self.name)
+        return int(digits) * 10
+
+    @property
+    def major(self) -> int:
+        return self.number // 100
+
+    def gencode(self) -> str:
+        code = self.name
+        return f"-gencode=arch={code.replace('sm_', 'compute_')},code={code}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> Arch:
+    """Arch of a CUDA device, memoised per device index (mixed-GPU processes work)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return Arch.from_capability(major, minor)
+
+
+def resolve_arch(device_index: int | None = None) -> Arch:
+    """``DSV4JIT_CUDA_ARCH`` if set, else the arch of the given (or current) CUDA device."""
+    if forced := env.cuda_arch():
+        return Arch.parse(forced)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DSV4JITToolchainError(
+            "no CUDA device is visible to pick a target arch: pass --arch (e.g. --arch 9.0a) "
+            "or set DSV4JIT_CUDA_ARCH")
+    return device_arch(torch.cuda.current_device() if device_index is None else device_index)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiler identity, cached on disk by the compiler file's stat so warm loads spawn nothing.
+
+
+def _stat_key(path: Path) -> list:
+    st = path.stat()
+    return [str(path), st.st_size, st.st_mtime_ns]
+
+
+def _identity_cache_file() -> Path:
+    return env.cache_dir() / "toolchain.json"
+
+
+def _cached(kind: str, path: Path, compute) -> dict:
+    cache_file = _identity_cache_file()
+    stamp = _stat_key(path)
+    try:
+        table = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(f"{kind}:{path}")
+    if entry and entry.get("stamp") == stamp and all(
+            _safe_stat(Path(p)) == s for p, s in entry.get("deps", {}).items()):
+        return entry["value"]
+    value, deps = compute()
+    table[f"{kind}:{path}"] = {"stamp": stamp, "value": value,
+                               "deps": {str(p): _safe_stat(p) for p in deps}}
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only cache only costs the subprocess next time
+    return value
+
+
+def _safe_stat(path: Path):
+    try:
+        return _stat_key(path)
+    except OSError:
+        return None
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DSV4JITToolchainError(f"running {' '.join(cmd)} failed: {e}") from e
+    if res.returncode != 0:
+        raise DSV4JITToolchainError(f"{' '.join(cmd)} exited with {res.returncode}: {res.stderr.strip()[:500]}")
+    return res.stdout + res.stderr
+
+
+def _find_nvcc() -> Path:
+    candidates: list[str] = []
+    if explicit := env.nvcc():
+        candidates.append(explicit)
+    candidates += [os.path.join(h, "bin", "nvcc") for h in env.cuda_homes()]
+    if on_path := shutil.which("nvcc"):
+        candidates.append(on_path)
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    for c in candidates:
+        p = Path(c)
+        if p.is_file() and os.access(p, os.X_OK):
+            return p.absolute()
+    raise DSV4JITToolchainError(
+        f"nvcc not found (looked at {_NVCC_SEARCH}); install the CUDA toolkit or precompile this "
+        "variant where one exists: python -m dsv4jit precompile --arch 9.0a")
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    nvcc: Path | None  # real nvcc inside the toolkit (None for host-only use)
+    cuda_root: Path | None
+    nvcc_version: str
+    cxx: Path
+    cxx_version: str
+
+    def identity(self, host_only: bool) -> dict:
+        """What enters cache keys: version texts and the real toolkit root, never PATH spellings."""
+        ident = {"cxx_version": self.cxx_version}
+        if not host_only:
+            ident.update(nvcc_version=self.nvcc_version, cuda_root=str(self.cuda_root))
+        return ident
+
+
+def _nvcc_identity(nvcc: Path):
+    def compute():
+        out = _run([str(nvcc), "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"])
+        m = re.search(r"^#\$ TOP=(.*)$", out, re.M)
+        root = Path(m.group(1).strip()).resolve() if m else nvcc.resolve().parent.parent
+        real = root / "bin" / "nvcc"
+        version = _run([str(real), "--version"]).strip()
+        return {"root": str(root), "version": version}, [real]
+    return _cached("nvcc", nvcc, compute)
+
+
+def _find_cxx() -> Path:
+    names = [env.cxx()] if env.cxx() else ["g++", "c++", "clang++"]
+    for name in names:
+        found = shutil.which(name) if name else None
+        if found:
+            return Path(found).resolve()
+    raise DSV4JITToolchainError(f"no host C++ compiler found (looked for {names}; set DSV4JIT_CXX or CXX)")
+
+
+def _cxx_version(cxx: Path) -> str:
+    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []))
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain_memo(need_cuda: bool, env_key: tuple) -> Toolchain:
+    cxx = _find_cxx()
+    if not need_cuda:
+        return Toolchain(None, None, "", cxx, _cxx_version(cxx))
+    nvcc = _find_nvcc()
+    ident = _nvcc_identity(nvcc)
+    root = Path(ident["root"])
+    return Toolchain(root / "bin" / "nvcc", root, ident["version"], cxx, _cxx_version(cxx))
+
+
+def toolchain(need_cuda: bool = True) -> Toolchain:
+    """The toolchain for a build (memoised per process and per relevant env settings)."""
+    env_key = (env.nvcc(), env.cxx(), tuple(env.cuda_homes()), os.environ.get("PATH", ""), str(env.cache_dir()))
+    return _toolchain_memo(need_cuda, env_key)
+
+
+def reset() -> None:
+    """Forget memoised toolchains and device arches (tests, or after changing env vars)."""
+    _toolchain_memo.cache_clear()
+    device_arch.cache_clear()

@@ -1,0 +1,1 @@
+"""Pure-PyTorch references of the dsv4jit kernels (CPU, written from SPEC.md)."""

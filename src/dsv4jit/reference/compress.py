@@ -1,0 +1,356 @@
+"""Pure-PyTorch reference of the compress ops (SPEC §C c4, §D c128, §E online c128 math).
+
+Everything here is written from SPEC.md: windows are gathered per compress event exactly as §C.2 /
+§D.2 describe, pooled with the window softmax of §C.3, and the state ring is updated in the order
+§C.4 / §C.5 prescribe. Tensors may live on any device; the math runs there with plain torch ops.
+
+State rows and input rows share one layout (``last_dim`` values per token):
+
+* c4   (R = 4,   Wn = 8):   kv_overlap | kv | score_overlap | score   (4·hd)
+* c128 (R = 128, Wn = 128): kv | score                                 (2·hd)
+
+Window slot ``s`` of the event closing at position ``p`` holds position ``p − Wn + 1 + s``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
+
+__all__ = [
+    "compress_prefill",
+    "compress_decode",
+    "window_softmax",
+    "event_window_reference",
+    "window_size",
+    "row_width",
+    "OnlineState",
+    "online_reset",
+    "online_update",
+    "online_merge",
+    "online_pool",
+    "online_state_to_row",
+    "online_state_from_row",
+]
+
+_BUFFER_DTYPES = (torch.float32, torch.bfloat16)
+_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: c4 slots 0–3 play the "overlap" role (previous block), slots 4–7 the "current" role.
+_C4_OVERLAP_SLOTS = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Geometry and argument checks
+# ----------------------------------------------------------------------------------------------
+
+def window_size(compress_ratio: int) -> int:
+    """Wn: 8 for c4 (overlapping windows), 128 for c128."""
+    return 2 * compress_ratio if compress_ratio == 4 else compress_ratio
+
+
+def row_width(head_dim: int, compress_ratio: int) -> int:
+    """Values per state/input row: 4·hd for c4, 2·hd for c128."""
+    return (4 if compress_ratio == 4 else 2) * head_dim
+
+
+def _check_geometry(head_dim: int, compress_ratio: int) -> None:
+    if compress_ratio not in (4, 128):
+        raise ValueError(f"compress_ratio: expected 4 or 128, got {compress_ratio}")
+    # The kernels' channel tiling (§C.6, §D.5, §H.16); the reference holds callers to the same contract.
+    multiple = 128 if compress_ratio == 4 else 64
+    if head_dim <= 0 or head_dim % multiple:
+        raise ValueError(f"head_dim: expected a positive multiple of {multiple} for c{compress_ratio}, got {head_dim}")
+
+
+def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compress_ratio, out_rows):
+    last_dim = row_width(head_dim, compress_ratio)
+    wn = window_size(compress_ratio)
+    if kv_score_buffer.dtype not in _BUFFER_DTYPES:
+        raise TypeError(f"kv_score_buffer: expected dtype float32 or bfloat16, got {kv_score_buffer.dtype}")
+    if kv_score_input.dtype not in _IO_DTYPES:
+        raise TypeError(f"kv_score_input: expected dtype float32/bfloat16/float16, got {kv_score_input.dtype}")
+    if ape.dtype != kv_score_input.dtype:
+        raise TypeError(f"ape: expected the input dtype {kv_score_input.dtype}, got {ape.dtype}")
+    if out.dtype not in _IO_DTYPES:
+        raise TypeError(f"out: expected dtype float32/bfloat16/float16, got {out.dtype}")
+    if kv_score_buffer.shape[-1] != last_dim or kv_score_buffer.numel() % (compress_ratio * last_dim):
+        raise ValueError(f"kv_score_buffer: expected shape [pages, {compress_ratio}, {last_dim}], got {list(kv_score_buffer.shape)}")
+    if kv_score_input.dim() != 2 or kv_score_input.shape[1] != last_dim:
+        raise ValueError(f"kv_score_input: expected shape [rows, {last_dim}], got {list(kv_score_input.shape)}")
+    if list(ape.shape) != [wn, head_dim]:
+        raise ValueError(f"ape: expected shape [{wn}, {head_dim}], got {list(ape.shape)}")
+    if list(out.shape) != [out_rows, head_dim]:
+        raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
+    devices = {t.device for t in (kv_score_buffer, kv_score_input, ape, out)}
+    if len(devices) != 1:
+        raise TypeError(f"kv_score_buffer, kv_score_input, ape, out: expected one device, got {sorted(map(str, devices))}")
+
+
+def _check_index_range(name: str, index: torch.Tensor, size: int) -> None:
+    # Advanced indexing wraps negative indices silently; a malformed plan must not read a wrong row.
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+        raise ValueError(f"{name}: indices must lie in [0, {size}), got range [{int(index.min())}, {int(index.max())}]")
+
+
+def _check_distinct(name: str, index: torch.Tensor) -> None:
+    # §C.4: no two valid writes of one step target the same state row, so writes are order-free.
+    if index.numel() != torch.unique(index).numel():
+        raise ValueError(f"{name}: two rows write the same state row")
+
+
+def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
+    """The pool as ``[rows, last_dim]``; a view, so writes land in the caller's buffer."""
+    return kv_score_buffer.view(-1, last_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Window gathering (§C.2 / §D.2) and the window softmax (§C.3)
+# ----------------------------------------------------------------------------------------------
+
+def _split_roles(rows: torch.Tensor, head_dim: int, compress_ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot kv and score ``[..., Wn, hd]`` from full token rows ``[..., Wn, last_dim]``."""
+    hd = head_dim
+    if compress_ratio == 4:
+        o = _C4_OVERLAP_SLOTS
+        kv = torch.cat([rows[..., :o, 0:hd], rows[..., o:, hd:2 * hd]], dim=-2)
+        score = torch.cat([rows[..., :o, 2 * hd:3 * hd], rows[..., o:, 3 * hd:4 * hd]], dim=-2)
+        return kv, score
+    return rows[..., 0:hd], rows[..., hd:2 * hd]
+
+
+def _first_window_mask(seq_len: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    """``[N, Wn]`` bool: slots with no token behind them (c4 overlap half of the event at L == 4)."""
+    wn = window_size(compress_ratio)
+    slot = torch.arange(wn, device=seq_len.device)
+    if compress_ratio != 4:
+        return torch.zeros(seq_len.numel(), wn, dtype=torch.bool, device=seq_len.device)
+    return (seq_len == 4)[:, None] & (slot < _C4_OVERLAP_SLOTS)[None, :]
+
+
+def _gather_windows(flat_state, kv_score_input, *, seq_len, ragged_id, buffer_len, read_page_0, read_page_1,
+                    head_dim, compress_ratio):
+    """kv, score ``[N, Wn, hd]`` in fp32 for N compress events (index tensors on the state's device).
+
+    Slot s comes from the state if ``s < buffer_len`` (c4: slots 0–3 from page read_page_0 row s,
+    slots 4–7 from page read_page_1 row s−4; c128: page read_page_1 row s), else from input row
+    ``ragged_id − (Wn−1) + s``. Masked slots get kv = 0, score = −inf and are never read, because
+    their source rows may not exist (§C.2); read_page_* are likewise only used where
+    ``s < buffer_len`` (for buffer_len == 0 they hold planner leftovers, §H.2).
+    """
+    R, wn = compress_ratio, window_size(compress_ratio)
+    last_dim = flat_state.shape[1]
+    n = seq_len.numel()
+    device = flat_state.device
+    slot = torch.arange(wn, device=device)[None, :]
+
+    masked = _first_window_mask(seq_len, R)
+    from_state = (slot < buffer_len[:, None]) & ~masked
+    from_input = (slot >= buffer_len[:, None]) & ~masked
+
+    if R == 4:
+        page = torch.where(slot < _C4_OVERLAP_SLOTS, read_page_0[:, None], read_page_1[:, None])
+        state_row = page * R + slot % _C4_OVERLAP_SLOTS
+    else:
+        state_row = read_page_1[:, None] * R + slot
+    input_row = ragged_id[:, None] - (wn - 1) + slot
+
+    state_index = state_row[from_state]
+    input_index = input_row[from_input]
+    _check_index_range("state rows read by the plan", state_index, flat_state.shape[0])
+    _check_index_range("input rows read by the plan", input_index, kv_score_input.shape[0])
+
+    rows = torch.zeros(n, wn, last_dim, dtype=torch.float32, device=device)
+    # Mixed dtypes: state values go through the input dtype first (§C.3, §H.18).
+    rows[from_state] = flat_state[state_index].to(kv_score_input.dtype).to(torch.float32)
+    rows[from_input] = kv_score_input[input_index].to(torch.float32)
+
+    kv, score = _split_roles(rows, head_dim, R)
+    score = score.masked_fill(masked[:, :, None], float("-inf"))
+    return kv, score
+
+
+def window_softmax(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, *, dtype=torch.float32) -> torch.Tensor:
+    """Softmax pooling over the slot axis, per channel (§C.3), computed in ``dtype``.
+
+    kv, score: ``[..., Wn, hd]``; ape: ``[Wn, hd]``. Returns ``[..., hd]`` in ``dtype``.
+    A slot with score −inf has weight exactly 0 (its kv must be finite, e.g. 0).
+    """
+    z = score.to(dtype) + ape.to(dtype)
+    m = z.amax(dim=-2, keepdim=True)
+    e = torch.exp(z - m)
+    return (kv.to(dtype) * e).sum(dim=-2) / e.sum(dim=-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill and decode
+# ----------------------------------------------------------------------------------------------
+
+def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head_dim, compress_ratio, out):
+    """One prefill step (§C.4 / §D.3): compress every valid plan_c row, then apply plan_w writes.
+
+    Output row i pairs with plan_c row i; rows of invalid plan_c entries are left untouched.
+    ``kv_score_buffer`` is updated in place; returns ``out``.
+    """
+    _check_geometry(head_dim, compress_ratio)
+    c = decode_compress_plan(plan_c)
+    w = decode_write_plan(plan_w)
+    _check_tensors(kv_score_buffer, kv_score_input, ape, out, head_dim=head_dim,
+                   compress_ratio=compress_ratio, out_rows=plan_c.shape[0])
+    if kv_score_input.shape[0] < plan_w.shape[0]:
+        raise ValueError(f"kv_score_input: expected at least {plan_w.shape[0]} rows (plan_w rows), got {kv_score_input.shape[0]}")
+    device = kv_score_buffer.device
+    flat = _flat_state(kv_score_buffer, row_width(head_dim, compress_ratio))
+
+    # 1. Compress. Everything is gathered before any write below: the compress reads the ring as it
+    #    was before this step, even where this step's writes reuse the same rows.
+    rows = torch.nonzero(c.valid).flatten()
+    if rows.numel():
+        kv, score = _gather_windows(
+            flat, kv_score_input,
+            seq_len=c.seq_len[rows].to(device), ragged_id=c.ragged_id[rows].to(device),
+            buffer_len=c.buffer_len[rows].to(device), read_page_0=c.read_page_0[rows].to(device),
+            read_page_1=c.read_page_1[rows].to(device), head_dim=head_dim, compress_ratio=compress_ratio)
+        pooled = window_softmax(kv, score, ape, dtype=torch.float32)
+        out[rows.to(out.device)] = pooled.to(out.dtype)
+
+    # 2. Write: verbatim copy of the input row, rounded to the state dtype.
+    write = w.valid
+    ragged_id, write_loc = w.ragged_id[write].to(device), w.write_loc[write].to(device)
+    _check_index_range("plan_w ragged_id", ragged_id, kv_score_input.shape[0])
+    _check_index_range("plan_w write_loc", write_loc, flat.shape[0])
+    _check_distinct("plan_w write_loc", write_loc)
+    flat[write_loc] = kv_score_input[ragged_id].to(flat.dtype)
+    return out
+
+
+def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, compress_ratio, out):
+    """One decode step (§C.5 / §D.4), one request per plan_d row b.
+
+    Input row b is written to state row write_loc first; a row whose event fires (c4: seq_len % 4 == 0,
+    c128: write_loc % 128 == 127) then pools all Wn slots from the state, including that row. Other
+    output rows are zero-filled (Decision 3). ``kv_score_buffer`` is updated in place; returns ``out``.
+
+    All writes happen before all reads; rows of different requests never alias, so this equals the
+    per-row write-then-read order.
+    """
+    _check_geometry(head_dim, compress_ratio)
+    d = decode_decode_plan(plan_d)
+    batch = plan_d.shape[0]
+    _check_tensors(kv_score_buffer, kv_score_input, ape, out, head_dim=head_dim,
+                   compress_ratio=compress_ratio, out_rows=batch)
+    if kv_score_input.shape[0] != batch:
+        raise ValueError(f"kv_score_input: expected {batch} rows (plan_d rows), got {kv_score_input.shape[0]}")
+    device = kv_score_buffer.device
+    flat = _flat_state(kv_score_buffer, row_width(head_dim, compress_ratio))
+    wn = window_size(compress_ratio)
+
+    write_loc = d.write_loc.to(device)
+    _check_index_range("plan_d write_loc", write_loc, flat.shape[0])
+    # No distinctness check: cuda-graph padding rows (seq_len 1) may share one dummy write_loc.
+    flat[write_loc] = kv_score_input.to(flat.dtype)
+
+    if compress_ratio == 4:
+        boundary = d.seq_len % 4 == 0
+    else:
+        boundary = d.write_loc % 128 == 127
+    out.zero_()
+    rows = torch.nonzero(boundary).flatten()
+    if rows.numel():
+        kv, score = _gather_windows(
+            flat, kv_score_input,
+            seq_len=d.seq_len[rows].to(device), ragged_id=torch.zeros_like(rows, device=device),
+            buffer_len=torch.full((rows.numel(),), wn, dtype=torch.int64, device=device),
+            read_page_0=d.read_page_0[rows].to(device), read_page_1=d.read_page_1[rows].to(device),
+            head_dim=head_dim, compress_ratio=compress_ratio)
+        pooled = window_softmax(kv, score, ape, dtype=torch.float32)
+        out[rows.to(out.device)] = pooled.to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# History oracle (§B.12)
+# ----------------------------------------------------------------------------------------------
+
+def event_window_reference(history: torch.Tensor, p: int, ape: torch.Tensor, *, head_dim: int,
+                           compress_ratio: int) -> torch.Tensor:
+    """fp64 ``[hd]`` compressed row of the event closing at position ``p`` of one request.
+
+    ``history`` is ``[L, last_dim]``: the request's token rows by position (any float dtype). Pools
+    positions ``p − Wn + 1 … p`` with the slot roles of §C.2 / §D.2; positions before 0 (only the c4
+    overlap half of p = 3) are masked. Independent of plans, rings and chunking.
+    """
+    _check_geometry(head_dim, compress_ratio)
+    R, wn = compress_ratio, window_size(compress_ratio)
+    last_dim = row_width(head_dim, compress_ratio)
+    if history.dim() != 2 or history.shape[1] != last_dim:
+        raise ValueError(f"history: expected shape [L, {last_dim}], got {list(history.shape)}")
+    if p < 0 or (p + 1) % R or p >= history.shape[0]:
+        raise ValueError(f"p: expected an event position ((p+1) % {R} == 0) below {history.shape[0]}, got {p}")
+    positions = torch.arange(p - wn + 1, p + 1, device=history.device)
+    present = positions >= 0
+    rows = torch.zeros(wn, last_dim, dtype=torch.float64, device=history.device)
+    rows[present] = history[positions[present]].to(torch.float64)
+    kv, score = _split_roles(rows, head_dim, R)
+    score = score.masked_fill(~present[:, None], float("-inf"))
+    return window_softmax(kv, score, ape, dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Online c128 running state (§E): (m, s, k) per channel
+# ----------------------------------------------------------------------------------------------
+
+class OnlineState(NamedTuple):
+    """Running softmax state: max m (bias included), sum s = Σ exp(z − m), normalized average k."""
+    m: torch.Tensor
+    s: torch.Tensor
+    k: torch.Tensor
+
+
+def online_reset(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
+    """State after the first token of a 128-chunk (chunk position 0): (m = z, s = 1, k = kv)."""
+    z = score_plus_ape
+    return OnlineState(z.clone(), torch.ones_like(z), kv.to(z.dtype).clone())
+
+
+def online_update(state: OnlineState, kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
+    """Fold one token (kv, z = score + ape[pos mod 128]) into the state."""
+    z = score_plus_ape
+    m_new = torch.maximum(state.m, z)
+    a = state.s * torch.exp(state.m - m_new)
+    b = torch.exp(z - m_new)
+    s_new = a + b
+    return OnlineState(m_new, s_new, (state.k * a + kv.to(z.dtype) * b) / s_new)
+
+
+def online_merge(first: OnlineState, second: OnlineState) -> OnlineState:
+    """Combine two partial states over disjoint token sets (the update with b = s2·exp(m2 − m'))."""
+    m_new = torch.maximum(first.m, second.m)
+    a = first.s * torch.exp(first.m - m_new)
+    b = second.s * torch.exp(second.m - m_new)
+    s_new = a + b
+    return OnlineState(m_new, s_new, (first.k * a + second.k * b) / s_new)
+
+
+def online_pool(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
+    """Partial state of a segment ``[n ≥ 1, hd]``: reset on its first token, then update token by token."""
+    state = online_reset(kv[0], score_plus_ape[0])
+    for t in range(1, kv.shape[0]):
+        state = online_update(state, kv[t], score_plus_ape[t])
+    return state
+
+
+def online_state_to_row(state: OnlineState, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The state row layout of §E: m | s | k (``3·hd`` values), optionally cast (e.g. to a bf16 state)."""
+    row = torch.cat([state.m, state.s, state.k], dim=-1)
+    return row if dtype is None else row.to(dtype)
+
+
+def online_state_from_row(row: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float64) -> OnlineState:
+    """Split a ``[..., 3·hd]`` state row into (m, s, k), converted to ``dtype`` for the math."""
+    if row.shape[-1] != 3 * head_dim:
+        raise ValueError(f"row: expected last dimension {3 * head_dim}, got {row.shape[-1]}")
+    row = row.to(dtype)
+    return OnlineState(row[..., :head_dim], row[..., head_dim:2 * head_dim], row[..., 2 * head_dim:])

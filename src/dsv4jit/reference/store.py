@@ -1,0 +1,382 @@
+"""Pure-torch reference of ``compress_norm_rope_store`` (SPEC §F) and readers of the caches it fills.
+
+The op takes the compressed rows ``kv [N, hd]``, applies RMSNorm (§F.2) and RoPE on the last 64 dims
+(§F.3; plus the 128-point Hadamard for the indexer, §F.4), quantizes, and scatters each processed row
+into a paged byte cache (§F.5). Formats:
+
+* ``"v4_fp8"``      hd 512: V4 FlashMLA latent, 576 data bytes + 8 scale bytes per token (§F.5 a)
+* ``"v4_bf16"``     hd 512: ``bf16_store``, 1024 bytes per token (§F.5 b)
+* ``"indexer_fp8"`` hd 128: 128 e4m3 + one fp32 scale per token (§F.5 d)
+* ``"indexer_fp4"`` hd 128: 64 packed fp4 bytes + 4 UE8M0 scales per token (§F.5 e)
+
+The cache is a 2-D ``uint8`` tensor, one page per row. A location ``loc`` lives in page
+``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes §F.5
+assigns to a token and nothing else (notably byte 7 of a V4 scale row stays as it was).
+
+Everything is computed on the CPU; the cache may live on any device and is mutated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan_layout import decode_compress_plan, decode_decode_plan
+from .quant import (
+    E4M3_MAX,
+    FP4_MAX,
+    UE8M0_BIAS,
+    bf16_round,
+    e4m3_decode,
+    e4m3_encode,
+    fp4_decode,
+    fp4_encode,
+    hadamard128,
+    ldexp,
+    ue8m0_exponent,
+    ue8m0_scale,
+)
+
+FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
+ROPE_DIM = 64
+
+V4_HEAD_DIM = 512
+V4_NOPE_DIM = 448             # dims 0..447: e4m3; dims 448..511: bf16 rope
+V4_TILE = 64                  # one UE8M0 scale per 64 nope dims -> 7 scales
+V4_DATA_BYTES = 576           # 448 e4m3 + 64 bf16
+V4_SCALE_BYTES = 8            # 7 exponents + 1 padding byte that is never written
+V4_TOKEN_BYTES = V4_DATA_BYTES + V4_SCALE_BYTES
+BF16_TOKEN_BYTES = 2 * V4_HEAD_DIM
+
+INDEXER_HEAD_DIM = 128
+INDEXER_FP8_DATA_BYTES = 128
+INDEXER_FP8_SCALE_BYTES = 4   # one little-endian fp32
+INDEXER_FP4_DATA_BYTES = 64   # two dims per byte, even dim in the low nibble
+INDEXER_FP4_GROUP = 32        # one UE8M0 scale per 32 dims -> 4 scale bytes
+INDEXER_FP4_SCALE_BYTES = INDEXER_HEAD_DIM // INDEXER_FP4_GROUP
+
+# amax floor shared by every quantizer: keeps all-zero tiles at a finite, tiny scale.
+AMAX_FLOOR = 1e-4
+
+
+# ------------------------------------------------------------------------------------ geometry
+
+def _check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two >= 1, got {page_size!r}")
+
+
+def page_bytes(fmt: str, page_size: int) -> int:
+    """Bytes of one cache page (= row stride of the 2-D cache view) for a store format."""
+    _check_page_size(page_size)
+    if fmt == "v4_fp8":
+        # Data rows then scale rows, padded up to a whole number of 576-byte data rows.
+        return -(-V4_TOKEN_BYTES * page_size // V4_DATA_BYTES) * V4_DATA_BYTES
+    if fmt == "v4_bf16":
+        return BF16_TOKEN_BYTES * page_size
+    if fmt == "indexer_fp8":
+        return (INDEXER_FP8_DATA_BYTES + INDEXER_FP8_SCALE_BYTES) * page_size
+    if fmt == "indexer_fp4":
+        return (INDEXER_FP4_DATA_BYTES + INDEXER_FP4_SCALE_BYTES) * page_size
+    raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
+
+
+def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = False) -> str:
+    """Format the op writes for a head dim and flags (§F.5): hd 512 → V4, hd 128 → indexer."""
+    if head_dim == V4_HEAD_DIM:
+        if use_fp4:
+            raise ValueError("use_fp4 applies to the indexer (head_dim 128) only, got head_dim 512")
+        return "v4_bf16" if bf16_store else "v4_fp8"
+    if head_dim == INDEXER_HEAD_DIM:
+        if bf16_store:
+            raise ValueError("bf16_store applies to head_dim 512 only, got head_dim 128")
+        return "indexer_fp4" if use_fp4 else "indexer_fp8"
+    raise ValueError(f"head_dim must be 512 or 128, got {head_dim}")
+
+
+def check_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
+    """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of format ``fmt``."""
+    expected = page_bytes(fmt, page_size)
+    if kvcache.dtype != torch.uint8 or kvcache.dim() != 2:
+        raise TypeError(f"kvcache must be a 2-D uint8 tensor, got {kvcache.dim()}-D {kvcache.dtype}")
+    if kvcache.shape[1] != expected:
+        raise ValueError(f"kvcache rows must be page_bytes({fmt!r}, {page_size}) = {expected} bytes, "
+                         f"got {kvcache.shape[1]}")
+
+
+def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: int):
+    """(page, slot) int64 CPU tensors of each location, after checking cache shape and bounds."""
+    check_cache(kvcache, fmt, page_size)
+    locs = torch.as_tensor(locs).detach().cpu().to(torch.int64).reshape(-1)
+    shift = page_size.bit_length() - 1
+    page, slot = locs >> shift, locs & (page_size - 1)
+    if locs.numel() and (bool((locs < 0).any()) or int(page.max()) >= kvcache.shape[0]):
+        raise ValueError(f"locations must lie in [0, {kvcache.shape[0] * page_size}) "
+                         f"({kvcache.shape[0]} pages of {page_size}), got min {int(locs.min())} "
+                         f"max {int(locs.max())}")
+    return page, slot
+
+
+def _scatter(kvcache: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, data: torch.Tensor) -> None:
+    """kvcache[page[i], offset[i] + j] = data[i, j] (data: uint8 [n, L])."""
+    cols = offset[:, None] + torch.arange(data.shape[1], dtype=torch.int64)
+    dev = kvcache.device
+    kvcache[page[:, None].expand_as(cols).to(dev), cols.to(dev)] = data.to(dev)
+
+
+def _gather(kvcache: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, length: int) -> torch.Tensor:
+    """uint8 [n, length] CPU tensor of kvcache[page[i], offset[i] + j]."""
+    cols = offset[:, None] + torch.arange(length, dtype=torch.int64)
+    dev = kvcache.device
+    return kvcache[page[:, None].expand_as(cols).to(dev), cols.to(dev)].cpu().contiguous()
+
+
+def _as_rows(values: torch.Tensor, head_dim: int) -> torch.Tensor:
+    values = values.detach().cpu().to(torch.float32)
+    if values.dim() != 2 or values.shape[1] != head_dim:
+        raise ValueError(f"values must be [n, {head_dim}], got {list(values.shape)}")
+    return values.contiguous()
+
+
+def _floored(amax: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(amax, torch.tensor(AMAX_FLOOR, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------- norm and rope
+
+def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[max_pos, rope_dim]`` table of interleaved ``(cos_k, sin_k)`` from complex ``[max_pos, rope_dim/2]``."""
+    if not torch.is_complex(freq_cis) or freq_cis.dim() != 2:
+        raise TypeError(f"freq_cis must be a 2-D complex tensor, got {freq_cis.dim()}-D {freq_cis.dtype}")
+    real = torch.view_as_real(freq_cis.detach().cpu().to(torch.complex64).contiguous())
+    return real.flatten(1).contiguous()
+
+
+def rms_norm(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """RMSNorm of each row in fp32 (§F.2): ``y_d = (x_d · rsqrt(Σx²/hd + eps)) · w_d``."""
+    x = kv.detach().cpu().to(torch.float32)
+    w = norm_weight.detach().cpu().to(torch.float32)
+    hd = x.shape[-1]
+    # The sum of squares is accumulated in fp64 and rounded once (a kernel's fp32 reduction order
+    # is unspecified); the rest follows the fp32 formula step by step.
+    sum_sq = (x.to(torch.float64) ** 2).sum(-1, keepdim=True).to(torch.float32)
+    mean_eps = sum_sq / hd + torch.tensor(norm_eps, dtype=torch.float32)
+    r = torch.rsqrt(mean_eps.to(torch.float64)).to(torch.float32)
+    return (x * r) * w
+
+
+def apply_rope(y: torch.Tensor, freq: torch.Tensor, positions: torch.Tensor, rope_dim: int = ROPE_DIM) -> torch.Tensor:
+    """Rotate the trailing ``rope_dim`` dims of fp32 ``y`` (§F.3), interleaved (GPT-J) pairs.
+
+    Pair k is dims ``(base + 2k, base + 2k + 1)`` as (re, im), rotated by ``freq[position, 2k:2k+2]``
+    = (cos, sin): ``re' = re·cos − im·sin``, ``im' = re·sin + im·cos``, in fp32.
+    """
+    hd = y.shape[-1]
+    base = hd - rope_dim
+    if rope_dim % 2 or base < 0 or freq.shape[-1] != rope_dim:
+        raise ValueError(f"rope_dim {rope_dim} does not fit head_dim {hd} / freq table {list(freq.shape)}")
+    positions = torch.as_tensor(positions).detach().cpu().to(torch.int64).reshape(-1)
+    if positions.numel() and (bool((positions < 0).any()) or int(positions.max()) >= freq.shape[0]):
+        raise ValueError(f"RoPE positions must lie in [0, {freq.shape[0]}), got min {int(positions.min())} "
+                         f"max {int(positions.max())}")
+    f = freq.detach().cpu().to(torch.float32)[positions]
+    cos, sin = f[:, 0::2], f[:, 1::2]
+    out = y.clone()
+    re, im = y[:, base::2], y[:, base + 1::2]
+    out[:, base::2] = re * cos - im * sin
+    out[:, base + 1::2] = re * sin + im * cos
+    return out
+
+
+def norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq: torch.Tensor,
+              positions: torch.Tensor, rope_dim: int = ROPE_DIM) -> torch.Tensor:
+    """RMSNorm then RoPE of rows ``kv [n, hd]`` at ``positions [n]``; fp32 ``[n, hd]`` (§F.2, §F.3).
+
+    ``freq`` is the fp32 ``[max_pos, rope_dim]`` table of interleaved (cos, sin) (see ``freq_table``).
+    """
+    if kv.dim() != 2:
+        raise ValueError(f"kv must be [n, hd], got {list(kv.shape)}")
+    if norm_weight.shape != (kv.shape[1],):
+        raise ValueError(f"norm_weight must be [{kv.shape[1]}], got {list(norm_weight.shape)}")
+    return apply_rope(rms_norm(kv, norm_weight, norm_eps), freq, positions, rope_dim)
+
+
+# ----------------------------------------------------------------------------- V4 fp8 latent
+
+def write_v4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+    """Store normed+rotated rows ``values [n, 512]`` in the V4 fp8 latent layout (§F.5 a)."""
+    values = _as_rows(values, V4_HEAD_DIM)
+    page, slot = _page_slot(kvcache, locs, "v4_fp8", page_size)
+    n = values.shape[0]
+    # nope: bf16-rounded first, then one power-of-two (rounded-up) scale per 64-dim tile.
+    nope = bf16_round(values[:, :V4_NOPE_DIM]).reshape(n, -1, V4_TILE)
+    amax = nope.abs().amax(-1)
+    e = ue8m0_exponent(_floored(amax) / E4M3_MAX)
+    scaled = ldexp(nope, (UE8M0_BIAS - e)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+    codes = e4m3_encode(scaled).reshape(n, V4_NOPE_DIM)
+    # rope dims are stored once-rounded from the fp32 rotation.
+    rope = values[:, V4_NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    data = torch.cat([codes, rope], dim=1)
+    _scatter(kvcache, page, slot * V4_DATA_BYTES, data)
+    # Only the 7 exponent bytes; byte 7 of the scale row is padding and never written.
+    _scatter(kvcache, page, page_size * V4_DATA_BYTES + slot * V4_SCALE_BYTES, e.to(torch.uint8))
+
+
+def read_v4(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Dequantized fp32 ``[n, 512]`` rows of a V4 fp8 latent cache."""
+    page, slot = _page_slot(kvcache, locs, "v4_fp8", page_size)
+    n = page.numel()
+    data = _gather(kvcache, page, slot * V4_DATA_BYTES, V4_DATA_BYTES)
+    e = _gather(kvcache, page, page_size * V4_DATA_BYTES + slot * V4_SCALE_BYTES, V4_NOPE_DIM // V4_TILE)
+    nope = e4m3_decode(data[:, :V4_NOPE_DIM]).reshape(n, -1, V4_TILE) * ue8m0_scale(e)[..., None]
+    rope = data[:, V4_NOPE_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)
+    return torch.cat([nope.reshape(n, V4_NOPE_DIM), rope], dim=1)
+
+
+# ----------------------------------------------------------------------------------- bf16 store
+
+def write_bf16(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int = 1) -> None:
+    """Store rows ``values [n, 512]`` as 512 bf16 each at ``loc · 1024`` bytes (§F.5 b)."""
+    values = _as_rows(values, V4_HEAD_DIM)
+    page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
+    data = values.to(torch.bfloat16).contiguous().view(torch.uint8)
+    _scatter(kvcache, page, slot * BF16_TOKEN_BYTES, data)
+
+
+def read_bf16(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int = 1) -> torch.Tensor:
+    """fp32 ``[n, 512]`` rows of a bf16_store cache."""
+    page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
+    data = _gather(kvcache, page, slot * BF16_TOKEN_BYTES, BF16_TOKEN_BYTES)
+    return data.view(torch.bfloat16).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------- indexer fp8
+
+def write_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+    """Store post-Hadamard rows ``values [n, 128]`` as e4m3 + one fp32 scale each (§F.5 d)."""
+    values = _as_rows(values, INDEXER_HEAD_DIM)
+    page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
+    # A plain fp32 scale (no power-of-two rounding); the quantizer multiplies by its reciprocal.
+    scale = _floored(values.abs().amax(-1, keepdim=True)) / E4M3_MAX
+    inv_scale = 1.0 / scale
+    codes = e4m3_encode((values * inv_scale).clamp(-E4M3_MAX, E4M3_MAX))
+    _scatter(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, codes)
+    _scatter(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
+             scale.contiguous().view(torch.uint8))
+
+
+def read_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Dequantized fp32 ``[n, 128]`` rows of an indexer fp8 cache."""
+    page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
+    codes = _gather(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, INDEXER_FP8_DATA_BYTES)
+    scale = _gather(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
+                    INDEXER_FP8_SCALE_BYTES).view(torch.float32)
+    return e4m3_decode(codes) * scale
+
+
+# --------------------------------------------------------------------------------- indexer fp4
+
+def write_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+    """Store post-Hadamard rows ``values [n, 128]`` as packed fp4 + 4 UE8M0 scales each (§F.5 e)."""
+    values = _as_rows(values, INDEXER_HEAD_DIM)
+    page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
+    n = values.shape[0]
+    groups = values.reshape(n, -1, INDEXER_FP4_GROUP)
+    e = ue8m0_exponent(_floored(groups.abs().amax(-1)) / FP4_MAX)
+    codes = fp4_encode(ldexp(groups, (UE8M0_BIAS - e)[..., None])).reshape(n, INDEXER_HEAD_DIM)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # even dim in the low nibble
+    _scatter(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, packed)
+    _scatter(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
+             e.to(torch.uint8))
+
+
+def read_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Dequantized fp32 ``[n, 128]`` rows of an indexer fp4 cache."""
+    page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
+    n = page.numel()
+    packed = _gather(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, INDEXER_FP4_DATA_BYTES)
+    e = _gather(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
+                INDEXER_FP4_SCALE_BYTES)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1, INDEXER_FP4_GROUP)
+    return (fp4_decode(codes) * ue8m0_scale(e)[..., None]).reshape(n, INDEXER_HEAD_DIM)
+
+
+WRITERS = {"v4_fp8": write_v4, "v4_bf16": write_bf16,
+           "indexer_fp8": write_indexer_fp8, "indexer_fp4": write_indexer_fp4}
+READERS = {"v4_fp8": read_v4, "v4_bf16": read_bf16,
+           "indexer_fp8": read_indexer_fp8, "indexer_fp4": read_indexer_fp4}
+
+
+def read_cache(fmt: str, kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Dequantized fp32 rows at ``locs`` of a cache in format ``fmt`` (one of ``FORMATS``)."""
+    if fmt not in READERS:
+        raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
+    return READERS[fmt](kvcache, locs, page_size)
+
+
+# ------------------------------------------------------------------------------------------ op
+
+def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, compress_ratio: int):
+    """(row indices, RoPE positions, cache locations) of the plan rows that store a token (§F.1).
+
+    Prefill: valid CompressPlan rows, ``loc = out_loc[ragged_id]``. Decode: DecodePlan rows with
+    ``seq_len mod R == 0``, ``loc = out_loc[i]``. Both: ``position = seq_len − R``.
+    """
+    out_loc = out_loc.detach().cpu().to(torch.int64)
+    if is_decode:
+        rows = decode_decode_plan(plan)
+        if out_loc.numel() != rows.seq_len.numel():
+            raise ValueError(f"decode: out_loc must have one entry per plan row ({rows.seq_len.numel()}), "
+                             f"got {out_loc.numel()}")
+        keep = torch.nonzero(rows.seq_len % compress_ratio == 0).flatten()
+        loc_index = keep
+    else:
+        rows = decode_compress_plan(plan)
+        keep = torch.nonzero(rows.valid).flatten()
+        loc_index = rows.ragged_id[keep]
+        if keep.numel() and int(loc_index.max()) >= out_loc.numel():
+            raise ValueError(f"prefill: out_loc is indexed by ragged id and has {out_loc.numel()} entries, "
+                             f"but a plan row has ragged_id {int(loc_index.max())}")
+    positions = rows.seq_len[keep] - compress_ratio
+    return keep, positions, out_loc[loc_index]
+
+
+def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
+                             norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
+                             out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
+                             use_fp4: bool = False, bf16_store: bool = False) -> None:
+    """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (SPEC §F).
+
+    ``kv [N, hd]`` (fp32, bf16 or fp16) row i goes with plan row i (CompressPlan rows in prefill,
+    DecodePlan rows in decode). ``freq_cis`` is complex64 ``[max_pos, 32]`` (an fp32 ``[max_pos, 64]``
+    table of interleaved (cos, sin) is accepted as well). ``kvcache`` (2-D uint8, one page per row) is
+    written in place; rows that are skipped write nothing.
+    """
+    if kv.dim() != 2:
+        raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
+    if kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"kv must be float32, bfloat16 or float16, got {kv.dtype}")
+    if compress_ratio not in (4, 128):
+        raise ValueError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
+    if plan.shape[0] != kv.shape[0]:
+        raise ValueError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
+    if out_loc.dim() != 1 or out_loc.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"out_loc must be a 1-D int32 or int64 tensor, got {out_loc.dim()}-D {out_loc.dtype}")
+    head_dim = kv.shape[1]
+    fmt = store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store)
+    if norm_weight.shape != (head_dim,):
+        raise ValueError(f"norm_weight must be [{head_dim}], got {list(norm_weight.shape)}")
+    check_cache(kvcache, fmt, page_size)
+    freq = freq_cis.detach().cpu() if not torch.is_complex(freq_cis) else freq_table(freq_cis)
+    if freq.dim() != 2 or freq.shape[1] != ROPE_DIM or freq.dtype != torch.float32:
+        raise ValueError(f"freq_cis must be complex [max_pos, {ROPE_DIM // 2}] (or fp32 [max_pos, {ROPE_DIM}]), "
+                         f"got {list(freq_cis.shape)} {freq_cis.dtype}")
+
+    keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
+    if keep.numel() == 0:
+        return
+    # The op's wrapper casts the weight to kv's dtype before the fp32 math.
+    weight = norm_weight.detach().to(kv.dtype)
+    values = norm_rope(kv.detach().cpu()[keep], weight, norm_eps, freq, positions)
+    if head_dim == INDEXER_HEAD_DIM:
+        values = hadamard128(values)
+    WRITERS[fmt](kvcache, locs, values, page_size)
