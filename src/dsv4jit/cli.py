@@ -118,10 +118,10 @@ def cmd_precompile(args) -> int:
     todo, results = [], []
     for v, a in pairs:
         res = loader.resolve(v, a)
-        if res.info is None:
-            raise DSV4JITToolchainError("no compiler found for precompile (nvcc / host C++ compiler)")
         if res.entry is not None and not env.force_rebuild():
             results.append({"variant": v.id, "arch": a.name, "status": "cached", "entry": str(res.entry)})
+        elif res.toolchain_error is not None:
+            raise res.toolchain_error
         else:
             todo.append(res)
     if args.dry_run:

@@ -43,13 +43,14 @@ def _digest_tree(root: Path, patterns=("*.h", "*.cuh", "*.hpp")) -> str:
     return h.hexdigest()
 
 
-def header_closure(header: str, csrc: Path = CSRC) -> dict[str, str]:
+def header_closure(header: str, csrc: Path | None = None) -> dict[str, str]:
     """``{path relative to csrc: sha256}`` of every in-package file reachable from ``header``.
 
     Quoted includes resolve against the including file's folder, then ``csrc``; files outside the
     package (CUDA, tvm-ffi) are covered by the toolchain and tvm-ffi parts of the key. A computed
     include (``#include MACRO``) makes the scan unreliable, so the whole tree digest is used instead.
     """
+    csrc = CSRC if csrc is None else csrc
     seen: dict[str, str] = {}
     todo = [csrc / header]
     while todo:

@@ -41,20 +41,21 @@ class Resolution:
     info: cache.KeyInfo | None
     entry: Path | None
     command: build.Command | None
+    toolchain_error: DSV4JITToolchainError | None = None
 
 
 def resolve(variant: Variant, arch: Arch) -> Resolution:
     """Key and cache lookup, without building. Works without a compiler via the source key."""
     try:
         tc = toolchain(need_cuda=not arch.is_host)
-    except DSV4JITToolchainError:
-        tc = None
+    except DSV4JITToolchainError as e:
+        tc, error = None, e
     if tc is None:
         # No compiler here (e.g. a serving image with a baked cache): match on everything else.
         # Normalised commands name compilers by token, so a placeholder toolchain gives the same one.
         command = build.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
         info = cache.make_key(variant, arch, command.normalized, None)
-        return Resolution(variant, arch, None, cache.find_entry(variant, arch, None, info.source_key), None)
+        return Resolution(variant, arch, None, cache.find_entry(variant, arch, None, info.source_key), None, error)
     command = build.compile_command(variant, arch, tc)
     info = cache.make_key(variant, arch, command.normalized, tc.identity(host_only=arch.is_host))
     return Resolution(variant, arch, info, cache.find_entry(variant, arch, info), command)
@@ -85,20 +86,25 @@ def _load_uncached(variant: Variant, arch: Arch):
             reason = f"cached entry failed to load: {e}"
     elif res.entry is not None:
         reason = "forced rebuild (DSV4JIT_FORCE_REBUILD=1)"
-    if env.no_compile() or res.info is None:
+    if env.no_compile():
         raise DSV4JITCacheMiss(_miss_message(res))
+    if res.toolchain_error is not None:
+        raise DSV4JITToolchainError(f"{res.toolchain_error}. {_fix_hint(res)}")
     tc = toolchain(need_cuda=not arch.is_host)
     module, _ = build.build(variant, arch, tc, res.info, res.command, reason, _load_module)
     return module
 
 
+def _fix_hint(res: Resolution) -> str:
+    arch = "" if res.arch.is_host else f" --arch {res.arch.name}"
+    return f"Fix: python -m dsv4jit precompile{arch} --set '{res.variant.id}'"
+
+
 def _miss_message(res: Resolution) -> str:
-    why = "DSV4JIT_NO_COMPILE=1" if env.no_compile() else "no compiler is available"
     key = res.info.key if res.info else "(unknown: no toolchain)"
     searched = ", ".join(str(r) for r in cache.roots())
-    arch = "" if res.arch.is_host else f" --arch {res.arch.name}"
-    return (f"dsv4jit: {res.variant.id} for {res.arch} is not in the kernel cache and {why} "
-            f"(key {key}; searched {searched}). Fix: python -m dsv4jit precompile{arch} --set '{res.variant.id}'")
+    return (f"dsv4jit: {res.variant.id} for {res.arch} is not in the kernel cache and DSV4JIT_NO_COMPILE=1 "
+            f"(key {key}; searched {searched}). {_fix_hint(res)}")
 
 
 def variant(kernel: str, **params) -> Variant:

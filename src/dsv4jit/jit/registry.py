@@ -30,9 +30,14 @@ class Param:
 
     def canonical(self, value: Any) -> Any:
         if self.kind == "bool":
-            if isinstance(value, str):
-                value = value.lower() in ("1", "true", "on", "yes")
-            value = bool(value)
+            words = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False,
+                     "no": False}
+            if isinstance(value, str) and value.strip().lower() in words:
+                value = words[value.strip().lower()]
+            elif value in (0, 1) and not isinstance(value, str):
+                value = bool(value)
+            else:
+                raise ValueError(f"parameter {self.name!r} must be a boolean (0/1, true/false), got {value!r}")
         elif self.kind == "int":
             value = int(value)
         if value not in self.choices:

@@ -1,0 +1,1 @@
+"""Benchmarks (run on a GPU): ``python -m dsv4jit.bench.<name>``; shared helpers in ``timing``."""

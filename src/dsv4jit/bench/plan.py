@@ -1,0 +1,89 @@
+"""Planner latency: host+device (wall) and kernel-only (events), medians in µs.
+
+    python -m dsv4jit.bench.plan [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan
+from . import timing
+
+
+def _pool(batch: int, max_ctx: int, device):
+    """A paged pool: page-aligned SWA slots for every request's positions (c4 paged addressing)."""
+    req_to_token = torch.arange(batch * max_ctx, dtype=torch.int32, device=device).reshape(batch, max_ctx)
+    full_to_state = torch.arange(batch * max_ctx + 1, dtype=torch.int64, device=device)
+    full_to_state[-1] = -1
+    req_pool_indices = torch.randperm(batch, device=device).to(torch.int64)
+    return req_pool_indices, req_to_token, full_to_state
+
+
+def prefill_case(name, ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=False):
+    dev = torch.device("cuda")
+    batch, max_ctx = len(seq), max(seq) + 256
+    rpi, r2t, f2s = _pool(batch, max_ctx, dev)
+    lens_dev = dev if on_gpu_lengths else torch.device("cpu")
+    seq_t = torch.tensor(seq, dtype=torch.int64, device=lens_dev)
+    ext_t = torch.tensor(ext, dtype=torch.int64, device=lens_dev)
+    num_q = sum(ext)
+
+    def call():
+        return CompressorPrefillPlan.generate(ratio, rpi, seq_t, ext_t, r2t, f2s, 256, ring, num_q,
+                                              use_cuda_graph=use_cuda_graph)
+
+    row = {"case": name, "wall_us": timing.wall_us(call), "kernel_us": timing.event_us(call)}
+    if on_gpu_lengths:
+        row["graph_us"] = timing.graph_us(call)
+    return row
+
+
+def decode_case(name, ratio, batch, ring):
+    dev = torch.device("cuda")
+    rpi, r2t, f2s = _pool(batch, 4096, dev)
+    seq_t = torch.randint(1, 4000, (batch,), dtype=torch.int64, device=dev)
+
+    def call():
+        return CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq_t, 256, ring)
+
+    return {"case": name, "wall_us": timing.wall_us(call), "kernel_us": timing.event_us(call),
+            "graph_us": timing.graph_us(call)}
+
+
+def run() -> list[dict]:
+    rows = [
+        prefill_case("prefill c4 cpu-lengths 1x8192", 4, [8192], [8192], 8, False),
+        prefill_case("prefill c4 cpu-lengths 16x512", 4, [512] * 16, [512] * 16, 8, False),
+        prefill_case("prefill c128 cpu-lengths 1x8192", 128, [8192], [8192], 128, False),
+        prefill_case("prefill c4 gpu-lengths B=256 MTP E=4", 4, [1000 + 7 * i for i in range(256)], [4] * 256, 16,
+                     True),
+        prefill_case("prefill c4 gpu-lengths B=64 ragged", 4, [300 + 37 * i for i in range(64)],
+                     [1 + (13 * i) % 97 for i in range(64)], 8, True),
+        decode_case("decode c4 B=256", 4, 256, 8),
+    ]
+    sync = timing.sync_overhead_us()
+    for r in rows:
+        r["wall_minus_sync_us"] = r["wall_us"] - sync
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    rows = run()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'case':42s} {'wall':>8s} {'wall-sync':>10s} {'kernel':>8s} {'graph':>8s}  (µs, medians)")
+    for r in rows:
+        g = f"{r['graph_us']:8.2f}" if "graph_us" in r else f"{'-':>8s}"
+        print(f"{r['case']:42s} {r['wall_us']:8.2f} {r['wall_minus_sync_us']:10.2f} {r['kernel_us']:8.2f} {g}")
+
+
+if __name__ == "__main__":
+    main()

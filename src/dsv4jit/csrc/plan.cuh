@@ -1,0 +1,335 @@
+// The planner on the GPU (SPEC §B): prefill plans from device-resident lengths (CUDA-graph
+// capturable, no host sync) or host-resident lengths, and decode plans. One kernel emits final
+// rows in CPU order; see plan_rules.h for why that needs no atomics.
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/container/tuple.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/launch.cuh"
+#include "common/pdl.cuh"
+#include "common/scan.cuh"
+#include "common/types.cuh"
+#include "plan_args.h"
+
+namespace dsv4::plan {
+
+inline constexpr int kThreads = 256;
+inline constexpr int kTokensPerBlock = 1024;  // amortises building the request table per block
+
+/// Host-built request tables travel as kernel parameters (no staging copy): size classes.
+template <int kMaxRequests>
+struct RequestTable {
+  RequestEntry entries[kMaxRequests + 1];
+};
+template <>
+struct RequestTable<0> {};  // device lengths: the kernel builds the table itself
+
+struct PrefillParams {
+  Geometry g;
+  Tables tables;
+  CompressPlan* plan_c;
+  WritePlan* plan_w;
+  uint32_t cap_c, cap_w;          // rows the plan tensors hold
+  uint32_t max_tokens;            // ragged ids must stay below num_q_tokens
+  uint32_t num_requests;          // requests in this launch's table
+  uint32_t batch_offset;          // batch id of table entry 0
+  uint32_t token_begin;           // ragged id of this launch's index 0
+  uint32_t index_count;           // indices covered by the grid (tokens and padding rows)
+  bool pad;                       // write invalid rows from the totals up to the capacities
+  const int64_t* seq_lens;        // device lengths (RequestTable<0> only)
+  const int64_t* extend_lens;
+  int32_t* status;                // checked mode: OR of StatusBit, else nullptr
+};
+
+struct DecodeParams {
+  Geometry g;
+  Tables tables;
+  DecodePlan* plan_d;
+  const int64_t* seq_lens;
+  uint32_t batch_size;
+  int32_t* status;
+};
+
+/// Shared-memory request table plus the facts every emitting thread needs.
+struct SharedTable {
+  RequestEntry entries[kMaxDeviceBatch + 1];
+  uint32_t scratch[kThreads / kWarpSize + 1];
+  uint32_t uniform_extend;  // E when every request extends by E tokens, else 0
+};
+
+/// Builds the table from device lengths: closed-form counts per request, block-wide prefix sums.
+DSV4_DEV int32_t build_table_on_device(const PrefillParams& p, SharedTable& s) {
+  constexpr int kPerThread = (kMaxDeviceBatch + kThreads - 1) / kThreads;
+  const uint32_t first = threadIdx.x * kPerThread;
+  uint32_t ext[kPerThread], cnt_c[kPerThread], cnt_w[kPerThread];
+  int32_t seq[kPerThread];
+  uint32_t sum_e = 0, sum_c = 0, sum_w = 0;
+  int32_t status = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const uint32_t b = first + i;
+    ext[i] = cnt_c[i] = cnt_w[i] = 0;
+    seq[i] = 0;
+    if (b < p.num_requests) {
+      const int64_t sl = p.seq_lens[b], el = p.extend_lens[b];
+      if (valid_lengths(sl, el)) {
+        const Span span = Span::of(p.g, static_cast<int32_t>(sl), static_cast<int32_t>(el));
+        seq[i] = span.seq_len;
+        ext[i] = static_cast<uint32_t>(el);
+        cnt_c[i] = span.num_events(p.g);
+        cnt_w[i] = span.num_writes(p.g);
+      } else {
+        status |= kBadLengths;  // contributes no tokens and no rows
+      }
+    }
+    sum_e += ext[i];
+    sum_c += cnt_c[i];
+    sum_w += cnt_w[i];
+  }
+  uint32_t total_e, total_c, total_w;
+  uint32_t base_e = block_exclusive_scan<kThreads>(sum_e, s.scratch, total_e);
+  uint32_t base_c = block_exclusive_scan<kThreads>(sum_c, s.scratch, total_c);
+  uint32_t base_w = block_exclusive_scan<kThreads>(sum_w, s.scratch, total_w);
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const uint32_t b = first + i;
+    if (b < p.num_requests) s.entries[b] = {seq[i], base_e, base_c, base_w};
+    base_e += ext[i];
+    base_c += cnt_c[i];
+    base_w += cnt_w[i];
+  }
+  if (threadIdx.x == 0) s.entries[p.num_requests] = {0, total_e, total_c, total_w};
+  __syncthreads();
+  // MTP verify batches extend every request by the same E: then token k belongs to request k / E.
+  const uint32_t e0 = p.num_requests > 0 ? s.entries[1].ragged_base - s.entries[0].ragged_base : 0;
+  bool same = true;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) same &= first + i >= p.num_requests || ext[i] == e0;
+  const bool uniform = __syncthreads_and(same) && e0 > 0;
+  if (threadIdx.x == 0) s.uniform_extend = uniform ? e0 : 0;
+  __syncthreads();
+  return status;
+}
+
+template <int kMaxRequests>
+DSV4_DEV void copy_table(const RequestTable<kMaxRequests>& table, uint32_t n, SharedTable& s) {
+  for (uint32_t b = threadIdx.x; b <= n; b += kThreads) s.entries[b] = table.entries[b];
+  if (threadIdx.x == 0) s.uniform_extend = 0;
+  __syncthreads();
+}
+
+/// Index of the request holding token k (largest b with ragged_base <= k).
+DSV4_DEV uint32_t find_request(const SharedTable& s, uint32_t n, uint32_t k) {
+  if (s.uniform_extend) return (k - s.entries[0].ragged_base) / s.uniform_extend;
+  uint32_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi + 1) / 2;
+    if (s.entries[mid].ragged_base <= k) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+template <bool kPDL, int kMaxRequests>
+__global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant__ PrefillParams p,
+                                                           const __grid_constant__ RequestTable<kMaxRequests> table) {
+  __shared__ SharedTable s;
+  pdl_wait_upstream<kPDL>();  // lengths and lookup tables may come from the previous kernel
+  int32_t status = 0;
+  if constexpr (kMaxRequests == 0) {
+    status |= build_table_on_device(p, s);
+  } else {
+    copy_table(table, p.num_requests, s);
+  }
+  const uint32_t n = p.num_requests;
+  const RequestEntry totals = s.entries[n];
+  Tables tables = p.tables;
+  tables.status = &status;
+  const uint32_t token_end = min(totals.ragged_base, p.max_tokens);
+  uint32_t pad_c = totals.row_c, pad_w = totals.row_w;
+  if (totals.ragged_base > p.max_tokens && n > 0) {
+    // Tokens past the bucket are dropped, and so are the rows they would own: padding starts there.
+    const uint32_t b = find_request(s, n, p.max_tokens);
+    const RequestEntry req = s.entries[b];
+    const Span span = Span::of(p.g, req.seq_len, static_cast<int32_t>(s.entries[b + 1].ragged_base - req.ragged_base));
+    const int32_t pos = span.prefix_len + static_cast<int32_t>(p.max_tokens - req.ragged_base);
+    pad_c = req.row_c + span.events_before(p.g, pos);
+    pad_w = req.row_w + span.writes_before(p.g, pos);
+    if (threadIdx.x == 0 && blockIdx.x == 0) status |= kTokensDropped;
+  }
+  const uint32_t begin = blockIdx.x * kTokensPerBlock;
+  const uint32_t end = min(begin + kTokensPerBlock, p.index_count);
+  for (uint32_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const uint32_t k = p.token_begin + i;
+    if (n > 0 && k >= s.entries[0].ragged_base && k < token_end) {
+      const uint32_t b = find_request(s, n, k);
+      const RequestEntry req = s.entries[b];
+      const int32_t extend = static_cast<int32_t>(s.entries[b + 1].ragged_base - req.ragged_base);
+      const Span span = Span::of(p.g, req.seq_len, extend);
+      status |= emit_token(p.g, tables, span, p.batch_offset + b, req, static_cast<int32_t>(k - req.ragged_base),
+                           p.plan_c, p.cap_c, p.plan_w, p.cap_w);
+    }
+    if (p.pad) {
+      if (i >= pad_c && i < p.cap_c) p.plan_c[i] = CompressPlan::invalid();
+      if (i >= pad_w && i < p.cap_w) p.plan_w[i] = WritePlan::invalid();
+    }
+  }
+  if (status != 0 && p.status != nullptr) atomicOr(p.status, status);
+  pdl_launch_dependents<kPDL>();
+}
+
+template <bool kPDL>
+__global__ __launch_bounds__(kThreads) void decode_kernel(const __grid_constant__ DecodeParams p) {
+  pdl_wait_upstream<kPDL>();
+  const uint32_t b = blockIdx.x * kThreads + threadIdx.x;
+  int32_t status = 0;
+  if (b < p.batch_size) {
+    Tables tables = p.tables;
+    tables.status = &status;
+    const int64_t seq_len = p.seq_lens[b];
+    if (seq_len < 1 || seq_len > INT32_MAX) status |= kBadLengths;
+    p.plan_d[b] = decode_row(p.g, tables, b, static_cast<int32_t>(seq_len));
+  }
+  if (status != 0 && p.status != nullptr) atomicOr(p.status, status);
+  pdl_launch_dependents<kPDL>();
+}
+
+template <bool kPDL>
+struct Planner {
+  using Pair = tvm::ffi::Tuple<int64_t, int64_t>;
+
+  /// Status word for checked mode: int32 [1] on the plans' device, or None.
+  static int32_t* status_ptr(const char* op, const Optional<TensorView>& status, Device& dev) {
+    if (!status.has_value()) return nullptr;
+    Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
+    return static_cast<int32_t*>(status.value().data_ptr());
+  }
+
+  /// GPU-input prefill: lengths on the device; plans are [num_q_tokens, ...], rows past the
+  /// totals invalid. No host sync; data-dependent violations are dropped and reported in status.
+  static void prefill_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                             Optional<TensorView> full_to_state, TensorView seq_lens, TensorView extend_lens,
+                             TensorView plan_c, TensorView plan_w, Optional<TensorView> status, int64_t compress_ratio,
+                             int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy) {
+    const char* op = "plan_prefill";
+    const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
+    Size batch{"batch_size"}, num_q{"num_q_tokens"};
+    Device dev;
+    PrefillParams p{};
+    p.tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
+    Check(op, "extend_lens", extend_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
+    check_plan_tensor(op, "plan_c", plan_c, num_q, sizeof(CompressPlan), dev, true);
+    check_plan_tensor(op, "plan_w", plan_w, num_q, sizeof(WritePlan), dev, true);
+    expect(batch.value <= kMaxDeviceBatch, op, "seq_lens",
+           "at most " + std::to_string(kMaxDeviceBatch) + " requests on the GPU-input path", batch.value);
+    expect(num_q.value <= kMaxTokens, op, "num_q_tokens", "at most " + std::to_string(kMaxTokens), num_q.value);
+    expect(batch.value <= num_q.value, op, "num_q_tokens", "at least the batch size", num_q.value);
+    p.g = g;
+    p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
+    p.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());
+    p.cap_c = p.cap_w = p.max_tokens = p.index_count = static_cast<uint32_t>(num_q.value);
+    p.num_requests = static_cast<uint32_t>(batch.value);
+    p.pad = true;
+    p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
+    p.extend_lens = static_cast<const int64_t*>(extend_lens.data_ptr());
+    p.status = status_ptr(op, status, dev);
+    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0>, p,
+           RequestTable<0>{});
+  }
+
+  /// CPU-input prefill: lengths on the host, plans on the device with at least the needed rows
+  /// (capacity); returns (num_c, num_w). With use_cuda_graph the plans have num_q_tokens rows and
+  /// the rest are invalid. Request tables ride in kernel parameters, chunked by size class.
+  static Pair prefill_host_lengths(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                   Optional<TensorView> full_to_state, TensorView seq_lens, TensorView extend_lens,
+                                   TensorView plan_c, TensorView plan_w, Optional<TensorView> status,
+                                   int64_t num_q_tokens, int64_t compress_ratio, int64_t swa_page_size,
+                                   int64_t ring_size, bool use_req_ring, bool legacy, bool use_cuda_graph) {
+    const char* op = "plan_prefill";
+    const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
+    Size batch{"batch_size"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+    Device dev;
+    PrefillParams p{};
+    p.tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    std::vector<RequestEntry> table;
+    const Totals totals = build_request_table(op, g, seq_lens, extend_lens, batch, num_q_tokens, table);
+    check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(CompressPlan), dev, true);
+    check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WritePlan), dev, true);
+    const int64_t need_c = use_cuda_graph ? num_q_tokens : totals.num_c;
+    const int64_t need_w = use_cuda_graph ? num_q_tokens : totals.num_w;
+    expect(rows_c.value >= need_c, op, "plan_c", "at least " + std::to_string(need_c) + " rows", rows_c.value);
+    expect(rows_w.value >= need_w, op, "plan_w", "at least " + std::to_string(need_w) + " rows", rows_w.value);
+    p.g = g;
+    p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
+    p.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());
+    p.cap_c = static_cast<uint32_t>(need_c);
+    p.cap_w = static_cast<uint32_t>(need_w);
+    p.max_tokens = static_cast<uint32_t>(num_q_tokens);
+    p.status = status_ptr(op, status, dev);
+    const uint32_t B = static_cast<uint32_t>(batch.value);
+    uint32_t b0 = 0;
+    do {  // at least once, so that padding happens even for an empty batch
+      const uint32_t n = std::min<uint32_t>(B - b0, kMaxDeviceBatch);
+      p.num_requests = n;
+      p.batch_offset = b0;
+      p.pad = use_cuda_graph && b0 + n == B;
+      if (p.pad) {  // the last chunk also covers every padding row (indices are rows and tokens)
+        p.token_begin = 0;
+        p.index_count = static_cast<uint32_t>(num_q_tokens);
+      } else {
+        p.token_begin = table[b0].ragged_base;
+        p.index_count = table[b0 + n].ragged_base - p.token_begin;
+      }
+      launch_with_table(op, dev, p, table.data() + b0, n);
+      b0 += n;
+    } while (b0 < B);
+    return Pair(totals.num_c, totals.num_w);
+  }
+
+  template <int kMax>
+  static void launch_sized(const char* op, Device& dev, const PrefillParams& p, const RequestEntry* entries,
+                           uint32_t n) {
+    RequestTable<kMax> t{};
+    // Entries keep absolute row and ragged bases, so chunks compose without rebasing.
+    std::copy(entries, entries + n + 1, t.entries);
+    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, kMax>, p, t);
+  }
+
+  static void launch_with_table(const char* op, Device& dev, PrefillParams p, const RequestEntry* entries,
+                                uint32_t n) {
+    if (n <= 16) return launch_sized<16>(op, dev, p, entries, n);
+    if (n <= 128) return launch_sized<128>(op, dev, p, entries, n);
+    return launch_sized<kMaxDeviceBatch>(op, dev, p, entries, n);
+  }
+
+  static void decode(TensorView req_pool_indices, Optional<TensorView> req_to_token, Optional<TensorView> full_to_state,
+                     TensorView seq_lens, TensorView plan_d, Optional<TensorView> status, int64_t compress_ratio,
+                     int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy) {
+    const char* op = "plan_decode";
+    const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
+    Size batch{"batch_size"};
+    Device dev;
+    DecodeParams p{};
+    p.tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
+    check_plan_tensor(op, "plan_d", plan_d, batch, sizeof(DecodePlan), dev, true);
+    p.g = g;
+    p.plan_d = static_cast<DecodePlan*>(plan_d.data_ptr());
+    p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
+    p.batch_size = static_cast<uint32_t>(batch.value);
+    p.status = status_ptr(op, status, dev);
+    launch(op, dev.dev, {div_ceil(p.batch_size, kThreads), kThreads}, kPDL, decode_kernel<kPDL>, p);
+  }
+};
+
+}  // namespace dsv4::plan

@@ -1,0 +1,224 @@
+// The planning rules of SPEC §B, written once for the host paths and the GPU kernels.
+//
+// Rows are emitted in CPU order (batch-major, position-ascending) by any number of threads at
+// once: each token finds its compress row and write row from closed-form per-request counts and
+// their prefix sums, so no atomics and no ordering races are involved (identical inputs give
+// identical bytes on every path). There is no packed "stage 0" intermediate: rows are final.
+#pragma once
+
+#include <cstdint>
+
+#include "common/macros.h"
+#include "common/plan_structs.h"
+
+namespace dsv4::plan {
+
+/// How (request, position) maps to a state row (§B.2).
+enum class Scheme : int32_t {
+  kPagedSwa = 0,     // c4: a private ring per SWA page, through req_to_token and full_to_state
+  kRequestRing = 1,  // c128, or c4 with use_req_ring: rid * ring_size + pos % ring_size
+  kLegacy = 2,       // non-paged: c4 page 2*rid + (pos/4)%2, c128 page rid
+};
+
+/// Status bits reported to checked mode (never read in default mode).
+enum StatusBit : int32_t {
+  kTokensDropped = 1,       // more tokens or rows than the plan tensors hold
+  kBadLengths = 2,          // extend_len <= 0, extend_len > seq_len, or seq_len < 1
+  kReqToTokenOutOfRange = 4,
+  kFullToStateOutOfRange = 8,
+  kNegativeStateSlot = 16,
+};
+
+struct Geometry {
+  int32_t ratio;          // R: 4 or 128
+  int32_t window;         // Wn: 8 (c4) or 128
+  int32_t ring_size;
+  int32_t swa_page_size;
+  int32_t mtp_pad;        // trailing tokens kept resident for speculative rollback
+  bool overlap;           // c4
+  bool page_tail;         // paged c4: keep the last R tokens of every SWA page
+  bool translate_all;     // legacy: translate compress rows even when buffer_len == 0
+  Scheme scheme;
+};
+
+inline Geometry make_geometry(int32_t ratio, int32_t swa_page_size, int32_t ring_size, bool use_req_ring,
+                              bool legacy) {
+  Geometry g{};
+  g.ratio = ratio;
+  g.overlap = ratio == 4;
+  g.window = g.overlap ? 2 * ratio : ratio;
+  g.ring_size = ring_size;
+  g.swa_page_size = swa_page_size;
+  g.mtp_pad = (!legacy && ring_size > g.window) ? ring_size - g.window + 2 : 0;
+  g.scheme = legacy ? Scheme::kLegacy : (ratio == 128 || use_req_ring) ? Scheme::kRequestRing : Scheme::kPagedSwa;
+  g.page_tail = g.overlap && g.scheme == Scheme::kPagedSwa;
+  g.translate_all = legacy;
+  return g;
+}
+
+DSV4_HD int32_t imax(int32_t a, int32_t b) { return a > b ? a : b; }
+DSV4_HD int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
+
+/// One request's extend range and write threshold.
+struct Span {
+  int32_t prefix_len;
+  int32_t seq_len;
+  int32_t first_write;  // positions >= first_write are always written
+
+  DSV4_HD static Span of(const Geometry& g, int32_t seq_len, int32_t extend_len) {
+    const int32_t last_c = seq_len / g.ratio * g.ratio;
+    const int32_t first_w = imin(last_c - (g.overlap ? g.ratio : 0), seq_len - g.mtp_pad);
+    return {seq_len - extend_len, seq_len, first_w};
+  }
+
+  DSV4_HD bool is_event(const Geometry& g, int32_t pos) const { return (pos + 1) % g.ratio == 0; }
+
+  DSV4_HD bool is_write(const Geometry& g, int32_t pos) const {
+    return pos >= first_write || (g.page_tail && pos % g.swa_page_size >= g.swa_page_size - g.ratio);
+  }
+
+  /// Compress events at positions in [prefix_len, x).
+  DSV4_HD int32_t events_before(const Geometry& g, int32_t x) const { return x / g.ratio - prefix_len / g.ratio; }
+
+  /// Written positions in [prefix_len, x): page-tail positions below first_write, then a range.
+  DSV4_HD int32_t writes_before(const Geometry& g, int32_t x) const {
+    int32_t n = imax(0, x - imax(prefix_len, first_write));
+    const int32_t tail_end = imin(x, first_write);
+    if (g.page_tail && tail_end > prefix_len) n += tail_positions(g, tail_end) - tail_positions(g, prefix_len);
+    return n;
+  }
+
+  DSV4_HD int32_t num_events(const Geometry& g) const { return events_before(g, seq_len); }
+  DSV4_HD int32_t num_writes(const Geometry& g) const { return writes_before(g, seq_len); }
+
+  /// Positions q in [0, y) in the last R slots of their SWA page.
+  DSV4_HD static int32_t tail_positions(const Geometry& g, int32_t y) {
+    const int32_t s = g.swa_page_size;
+    return y / s * g.ratio + imax(0, y % s - (s - g.ratio));
+  }
+};
+
+/// Per-request entry of the request table that every emitting thread reads.
+struct RequestEntry {
+  int32_t seq_len;
+  uint32_t ragged_base;  // ragged id of the first extend token; entry B holds the total
+  uint32_t row_c;        // first compress row of this request
+  uint32_t row_w;        // first write row of this request
+};
+
+/// Lengths are valid for planning: 0 < extend_len <= seq_len.
+DSV4_HD bool valid_lengths(int64_t seq_len, int64_t extend_len) {
+  return extend_len > 0 && extend_len <= seq_len && seq_len <= INT32_MAX;
+}
+
+/// State-row addressing. `Lookup` supplies rid = req_pool_indices[b] and, for the paged scheme,
+/// the SWA slot of (rid, pos) (bounds-checked; -1 when out of range), reporting status bits.
+template <typename Lookup>
+DSV4_HD int32_t state_row(const Geometry& g, const Lookup& lookup, int64_t rid, int32_t pos) {
+  switch (g.scheme) {
+    case Scheme::kPagedSwa: {
+      const int32_t swa = lookup.swa_slot(rid, pos);  // narrowed to i32 (C-style, as the pools store it)
+      return swa / g.swa_page_size * g.ring_size + swa % g.ring_size;
+    }
+    case Scheme::kRequestRing:
+      return static_cast<int32_t>(rid * g.ring_size + pos % g.ring_size);
+    default: {
+      const int32_t r = static_cast<int32_t>(rid);
+      const int32_t page = g.overlap ? r * 2 + ((pos / 4) & 1) : r;
+      return page * g.ratio + pos % g.ratio;
+    }
+  }
+}
+
+template <typename Lookup>
+DSV4_HD int32_t state_page(const Geometry& g, const Lookup& lookup, int64_t rid, int32_t pos) {
+  return state_row(g, lookup, rid, pos) / g.ratio;
+}
+
+/// The compress row of the event closing at `pos` (j = pos - prefix_len, rg its ragged id).
+template <typename Lookup>
+DSV4_HD CompressPlan compress_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t pos, int32_t j,
+                                  uint32_t rg) {
+  CompressPlan row;
+  row.seq_len = static_cast<uint32_t>(pos + 1);
+  row.ragged_id = static_cast<uint16_t>(rg);
+  row.buffer_len = static_cast<uint16_t>(g.window - imin(j + 1, g.window));
+  row.read_page_0 = -1;
+  row.read_page_1 = static_cast<int32_t>(batch_id);
+  // Without buffered slots the pages are never read, and the paged planners leave them as is.
+  if (row.buffer_len > 0 || g.translate_all) {
+    const int64_t rid = lookup.rid(batch_id);
+    row.read_page_0 = state_page(g, lookup, rid, imax(pos - g.ratio, 0));
+    row.read_page_1 = state_page(g, lookup, rid, pos);
+  }
+  return row;
+}
+
+/// Emit the rows of one extend token (ragged id rg, j-th token of request `batch_id`) into
+/// plan_c / plan_w at their CPU-order indices; rows at or beyond the capacities are dropped.
+template <typename Lookup>
+DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& span, uint32_t batch_id,
+                           const RequestEntry& req, int32_t j, CompressPlan* plan_c, uint32_t cap_c,
+                           WritePlan* plan_w, uint32_t cap_w) {
+  const int32_t pos = span.prefix_len + j;
+  const uint32_t rg = req.ragged_base + static_cast<uint32_t>(j);
+  int32_t status = 0;
+  if (span.is_event(g, pos)) {
+    const uint32_t idx = req.row_c + static_cast<uint32_t>(span.events_before(g, pos + 1) - 1);
+    if (idx < cap_c) {
+      plan_c[idx] = compress_row(g, lookup, batch_id, pos, j, rg);
+    } else {
+      status |= kTokensDropped;
+    }
+  }
+  if (span.is_write(g, pos)) {
+    const uint32_t idx = req.row_w + static_cast<uint32_t>(span.writes_before(g, pos));
+    if (idx < cap_w) {
+      plan_w[idx] = WritePlan{rg, state_row(g, lookup, lookup.rid(batch_id), pos)};
+    } else {
+      status |= kTokensDropped;
+    }
+  }
+  return status;
+}
+
+/// The decode row of one request (§B.7).
+template <typename Lookup>
+DSV4_HD DecodePlan decode_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t seq_len) {
+  const int64_t rid = lookup.rid(batch_id);
+  const int32_t p1 = seq_len - 1;
+  const int32_t write_loc = state_row(g, lookup, rid, p1);
+  return DecodePlan{static_cast<uint32_t>(seq_len), write_loc, state_page(g, lookup, rid, imax(p1 - g.ratio, 0)),
+                    write_loc / g.ratio};
+}
+
+/// Table lookups shared by host and device: bounds-checked, reporting status bits.
+struct Tables {
+  const int64_t* req_pool_indices;
+  const int32_t* req_to_token;  // [num_reqs, r2t_stride] (row stride in elements)
+  const int64_t* full_to_state;
+  int64_t r2t_rows;
+  int64_t r2t_cols;
+  int64_t r2t_stride;
+  int64_t f2s_len;
+  int32_t* status;  // status bits (local to the calling thread; merged by the caller)
+
+  DSV4_HD int64_t rid(uint32_t batch_id) const { return req_pool_indices[batch_id]; }
+
+  DSV4_HD int32_t swa_slot(int64_t rid, int32_t pos) const {
+    if (rid < 0 || rid >= r2t_rows || pos < 0 || pos >= r2t_cols) {
+      *status |= kReqToTokenOutOfRange;
+      return -1;
+    }
+    const int32_t full = req_to_token[rid * r2t_stride + pos];
+    if (full < 0 || full >= f2s_len) {
+      *status |= kFullToStateOutOfRange;
+      return -1;
+    }
+    const int32_t swa = static_cast<int32_t>(full_to_state[full]);
+    if (swa < 0) *status |= kNegativeStateSlot;
+    return swa;
+  }
+};
+
+}  // namespace dsv4::plan

@@ -1,0 +1,204 @@
+"""Plans of one forward step: built once per compress ratio, shared by every layer of that ratio.
+
+``CompressorPrefillPlan.generate`` picks the planner path from where the lengths live:
+lengths on the GPU (CUDA-graph capture, MTP verify) -> one kernel, no host sync; lengths on the
+CPU -> host-side table, one kernel; everything on the CPU -> the host planner, CPU plans. All
+paths produce the same bytes (rows in batch-major, position-ascending order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import plan_layout, runtime
+
+_OP_PREFILL = "CompressorPrefillPlan.generate"
+
+
+def _check_status(status: torch.Tensor | None, describe, op: str) -> None:
+    if status is not None:
+        code = int(status.item())
+        if code:
+            raise ValueError(f"dsv4jit.{op} (checked mode): {describe(code)}")
+
+
+def _status_word(device: torch.device) -> torch.Tensor | None:
+    return torch.zeros(1, dtype=torch.int32, device=device) if runtime.checks_enabled() else None
+
+
+def _device_of(*tensors: torch.Tensor) -> torch.device:
+    return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), torch.device("cpu"))
+
+
+def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,
+             ring_size, num_q_tokens, use_cuda_graph, use_req_ring, legacy):
+    num_q_tokens = int(num_q_tokens)
+    device = _device_of(req_pool_indices, seq_lens)
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else 0
+    args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
+    if seq_lens.device.type == "cuda":
+        plan_c = torch.empty((num_q_tokens, 16), dtype=torch.uint8, device=device)
+        plan_w = torch.empty((num_q_tokens, 8), dtype=torch.uint8, device=device)
+        status = _status_word(device)
+        fn = runtime.function("plan", "prefill_device", device)
+        fn(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, plan_c, plan_w, status, *args)
+        _check_status(status, runtime.function("plan", "describe_status", device), _OP_PREFILL)
+        return plan_c, plan_w
+    # Lengths on the host: the row counts are known there, so plans get exact shapes. They are
+    # views into capacity-sized buffers (events <= tokens / R + requests) sized without the data.
+    cap_c = num_q_tokens if use_cuda_graph else num_q_tokens // compress_ratio + batch
+    plan_c = torch.empty((cap_c, 16), dtype=torch.uint8, device=device)
+    plan_w = torch.empty((num_q_tokens, 8), dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        fn = runtime.function("plan_host", "prefill", device)
+        num_c, num_w = fn(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, plan_c, plan_w,
+                          num_q_tokens, *args, use_cuda_graph, runtime.checks_enabled())
+    else:
+        status = _status_word(device)
+        fn = runtime.function("plan", "prefill_host_lengths", device)
+        num_c, num_w = fn(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, plan_c, plan_w, status,
+                          num_q_tokens, *args, use_cuda_graph)
+        _check_status(status, runtime.function("plan", "describe_status", device), _OP_PREFILL)
+    if use_cuda_graph:
+        return plan_c, plan_w
+    return plan_c[:num_c], plan_w[:num_w]
+
+
+def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size, ring_size,
+            use_req_ring, legacy):
+    device = _device_of(req_pool_indices, seq_lens)
+    plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
+    args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
+    if device.type == "cpu":
+        runtime.function("plan_host", "decode", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
+                                                         plan_d, *args, runtime.checks_enabled())
+    else:
+        status = _status_word(device)
+        runtime.function("plan", "decode", device)(req_pool_indices, req_to_token, full_to_state, seq_lens, plan_d,
+                                                   status, *args)
+        _check_status(status, runtime.function("plan", "describe_status", device), "CompressorDecodePlan.generate")
+    return plan_d
+
+
+def _check_copy(self, other, fields) -> None:
+    if type(other) is not type(self):
+        raise TypeError(f"copy_: expected a {type(self).__name__}, got {type(other).__name__}")
+    if other.compress_ratio != self.compress_ratio:
+        raise ValueError(f"copy_: compress_ratio must be {self.compress_ratio}, got {other.compress_ratio}")
+    for name in fields:
+        mine, theirs = getattr(self, name), getattr(other, name)
+        if mine.shape != theirs.shape:
+            raise ValueError(f"copy_: {name} must have shape {list(mine.shape)}, got {list(theirs.shape)}")
+
+
+@dataclass
+class CompressorDecodePlan:
+    """Decode plan: one 16-byte DecodePlan row per request (``plan[1]`` is ``plan_d``)."""
+
+    compress_ratio: int
+    plan_d: torch.Tensor
+
+    @property
+    def is_decode(self) -> bool:
+        return True
+
+    def __getitem__(self, index):
+        return (self.compress_ratio, self.plan_d)[index]
+
+    def __iter__(self):
+        return iter((self.compress_ratio, self.plan_d))
+
+    def __len__(self) -> int:
+        return 2
+
+    def copy_(self, other: "CompressorDecodePlan") -> "CompressorDecodePlan":
+        """Refresh CUDA-graph buffers in place from a freshly generated plan."""
+        _check_copy(self, other, ("plan_d",))
+        self.plan_d.copy_(other.plan_d)
+        return self
+
+    def rows(self) -> plan_layout.DecodeRows:
+        """Decoded fields (for debugging and tests)."""
+        return plan_layout.decode_decode_plan(self.plan_d)
+
+    @classmethod
+    def generate(cls, compress_ratio: int, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                 full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
+                 use_req_ring: bool = False) -> "CompressorDecodePlan":
+        plan_d = _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size,
+                         ring_size, use_req_ring, False)
+        return cls(compress_ratio, plan_d)
+
+    @classmethod
+    def generate_legacy(cls, compress_ratio: int, req_pool_indices: torch.Tensor,
+                        seq_lens: torch.Tensor) -> "CompressorDecodePlan":
+        """Non-paged rings: c4 pages 2·rid and 2·rid+1, c128 page rid."""
+        plan_d = _decode(compress_ratio, req_pool_indices, None, None, seq_lens, 0, 0, False, True)
+        return cls(compress_ratio, plan_d)
+
+    @classmethod
+    def generate_online(cls, *args, **kwargs) -> "CompressorDecodePlan":
+        raise NotImplementedError("dsv4jit: online c128 plans are not available in this version")
+
+
+@dataclass
+class CompressorPrefillPlan:
+    """Prefill plan: CompressPlan rows (``plan[1]``) and WritePlan rows (``plan[2]``)."""
+
+    compress_ratio: int
+    plan_c: torch.Tensor
+    plan_w: torch.Tensor
+    pin_buffer: Optional[torch.Tensor] = None  # kept for callers that pass one; planning needs no staging
+    num_q_tokens: Optional[int] = None  # recorded by generate*; bounds out_loc in the store step
+
+    @property
+    def is_decode(self) -> bool:
+        return False
+
+    def __getitem__(self, index):
+        return (self.compress_ratio, self.plan_c, self.plan_w, self.pin_buffer)[index]
+
+    def __iter__(self):
+        return iter((self.compress_ratio, self.plan_c, self.plan_w, self.pin_buffer))
+
+    def __len__(self) -> int:
+        return 4
+
+    def copy_(self, other: "CompressorPrefillPlan") -> "CompressorPrefillPlan":
+        """Refresh CUDA-graph buffers in place from a freshly generated plan."""
+        _check_copy(self, other, ("plan_c", "plan_w"))
+        self.plan_c.copy_(other.plan_c)
+        self.plan_w.copy_(other.plan_w)
+        self.num_q_tokens = other.num_q_tokens
+        return self
+
+    def rows(self) -> tuple[plan_layout.CompressRows, plan_layout.WriteRows]:
+        """Decoded fields (for debugging and tests)."""
+        return plan_layout.decode_compress_plan(self.plan_c), plan_layout.decode_write_plan(self.plan_w)
+
+    @classmethod
+    def generate(cls, compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                 extend_lens: torch.Tensor, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
+                 swa_page_size: int, ring_size: int, num_q_tokens: int, use_cuda_graph: bool = False,
+                 use_req_ring: bool = False) -> "CompressorPrefillPlan":
+        plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state,
+                                  swa_page_size, ring_size, num_q_tokens, use_cuda_graph, use_req_ring, False)
+        return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
+
+    @classmethod
+    def generate_legacy(cls, compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                        extend_lens: torch.Tensor, num_q_tokens: int, device=None,
+                        use_cuda_graph: bool = False) -> "CompressorPrefillPlan":
+        """Non-paged rings; plans go to `device` (default: where req_pool_indices lives)."""
+        if device is not None and torch.device(device) != req_pool_indices.device:
+            req_pool_indices = req_pool_indices.to(device)
+        plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, None, None, 0, 0,
+                                  num_q_tokens, use_cuda_graph, False, True)
+        return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
+
+    @classmethod
+    def generate_online(cls, *args, **kwargs) -> "CompressorPrefillPlan":
+        raise NotImplementedError("dsv4jit: online c128 plans are not available in this version")

@@ -1,0 +1,335 @@
+"""The ``dsv4jit`` command line: precompile, list, clean, info; output modes and exit codes.
+
+Commands run in-process through ``cli.main`` (stdout/stderr via capsys); the entry points are
+also started once as real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SELFTEST_ID, entries_on_disk
+from dsv4jit import __version__, cli
+from dsv4jit.jit import cache, loader
+from dsv4jit.jit.kernels import SELFTEST
+
+pytestmark = pytest.mark.usefixtures("jit_env")
+
+SELECT = ["--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID]
+
+
+@pytest.fixture
+def run(capsys):
+    """``run(*argv) -> (exit code, stdout, stderr)`` of the in-process CLI."""
+
+    def call(*argv: str):
+        capsys.readouterr()
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+
+def run_json(run, *argv: str):
+    code, out, err = run(*argv, "--json")
+    return code, json.loads(out)
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+@pytest.mark.parametrize("argv", [[sys.executable, "-m", "dsv4jit"], [str(Path(sys.executable).with_name("dsv4jit"))]],
+                         ids=["python -m dsv4jit", "console script"])
+def test_entry_points_print_the_version(argv):
+    if not Path(argv[0]).exists():
+        pytest.skip(f"{argv[0]} is not installed")
+    res = subprocess.run(argv + ["--version"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"dsv4jit {__version__}"
+
+
+def test_no_subcommand_is_a_usage_error(run):
+    with pytest.raises(SystemExit) as exit_:
+        run()
+    assert exit_.value.code == 2
+
+
+# --------------------------------------------------------------------------------------------
+# precompile
+
+
+def test_precompile_cached_variant(run, warm_cache):
+    code, out, err = run("precompile", *SELECT)
+    assert code == 0, err
+    assert "cached 1" in out and "built 0" in out and "failed 0" in out
+
+
+def test_precompile_json(run, warm_cache):
+    code, payload = run_json(run, "precompile", *SELECT)
+    assert code == 0
+    assert payload["results"] == [{"variant": SELFTEST_ID, "arch": "sm_90a", "status": "cached",
+                                   "entry": str(warm_cache.entry)}]
+    assert payload["summary"] == {"built": 0, "cached": 1, "failed": 0}
+    assert isinstance(payload["wall_seconds"], (int, float))
+
+
+def test_precompile_dry_run_builds_nothing(run, fake_nvcc, tmp_path, monkeypatch, cache_dir):
+    counter = tmp_path / "nvcc-runs"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=counter)))
+    code, out, err = run("precompile", *SELECT, "--dry-run")
+    assert code == 0, err
+    assert out.split() == ["would", "build", SELFTEST_ID, "sm_90a"]
+    code, payload = run_json(run, "precompile", *SELECT, "--dry-run")
+    [row] = payload["results"]
+    assert row["status"] == "would build" and row["key"] == loader.resolve(
+        loader.variant("selftest", dtype="fp32", pdl=True), loader.Arch.parse("9.0a")).info.key
+    assert not counter.exists() and entries_on_disk(cache_dir) == []
+
+
+def test_precompile_dry_run_on_a_warm_cache_reports_cached(run, warm_cache):
+    code, out, err = run("precompile", *SELECT, "--dry-run")
+    assert code == 0 and out.split() == ["cached", SELFTEST_ID, "sm_90a"]
+
+
+def test_precompile_builds_into_cache_dir_option(run, fake_nvcc, prebuilt, tmp_path, monkeypatch):
+    # --cache-dir overrides DSV4JIT_CACHE_DIR; the stand-in nvcc "compiles" by copying.
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    target = tmp_path / "image-cache"
+    code, payload = run_json(run, "precompile", *SELECT, "--cache-dir", str(target))
+    assert code == 0
+    [row] = payload["results"]
+    assert row["status"] == "built" and row["variant"] == SELFTEST_ID
+    assert len(entries_on_disk(target)) == 1
+
+
+def test_precompile_failing_build_exits_1(run, fake_nvcc, monkeypatch, cache_dir):
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
+    code, out, err = run("precompile", *SELECT)
+    assert code == 1
+    assert "FAILED" in out and "wrapper.cu(3): error: something broke" in out
+    assert "failed 1" in out
+    code, payload = run_json(run, "precompile", *SELECT)
+    assert code == 1
+    [row] = payload["results"]
+    assert row["status"] == "failed" and "something broke" in row["error"]
+    assert entries_on_disk(cache_dir) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "hopper", "--kernel", "selftest"], "invalid CUDA arch 'hopper'"),
+    (["--arch", "9.0a", "--kernel", "nosuchkernel"], "unknown kernel 'nosuchkernel'"),
+    (["--arch", "9.0a", "--set", "selftest[dtype=fp64,pdl=1]"], "fp64"),
+])
+def test_precompile_usage_errors_exit_2(run, argv, message):
+    code, out, err = run("precompile", *argv)
+    assert code == 2
+    assert message in err
+
+
+def test_precompile_without_gpu_or_arch_asks_for_arch(run, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible, so the arch is taken from it")
+    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
+    code, out, err = run("precompile", "--kernel", "selftest")
+    assert code == 2
+    assert "--arch" in err and "DSV4JIT_CUDA_ARCH" in err
+
+
+def test_precompile_without_nvcc_exits_2(run, no_toolchain, cache_dir):
+    code, out, err = run("precompile", *SELECT)
+    assert code == 2
+    assert "nvcc not found (looked at" in err
+    assert entries_on_disk(cache_dir) == []
+
+
+def test_precompile_without_nvcc_accepts_cached_variants(run, no_toolchain, warm_cache):
+    code, out, err = run("precompile", *SELECT)
+    assert code == 0, err
+    assert "cached 1" in out
+
+
+# --------------------------------------------------------------------------------------------
+# list
+
+
+def test_list_shows_status(run, warm_cache):
+    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
+    assert code == 0, err
+    lines = {tuple(line.split()[:3]) for line in out.splitlines()}
+    assert ("cached", SELFTEST_ID, "sm_90a") in lines
+    assert ("missing", "selftest[dtype=bf16,pdl=0]", "sm_90a") in lines
+    assert len(lines) == len(SELFTEST.all_variants())  # every selftest variant, once
+
+
+def test_list_json_and_status_filter(run, warm_cache):
+    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
+    assert code == 0
+    rows = {r["variant"]: r for r in payload["variants"]}
+    assert len(rows) == len(SELFTEST.all_variants())
+    hit = rows[SELFTEST_ID]
+    assert hit["status"] == "cached" and hit["key"] == warm_cache.key and hit["entry"] == str(warm_cache.entry)
+    assert hit["size"] == (warm_cache.entry / "module.so").stat().st_size
+    assert all(r["status"] == "missing" and r["entry"] is None for v, r in rows.items() if v != SELFTEST_ID)
+
+    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
+                             "--status", "missing")
+    assert sorted(r["variant"] for r in payload["variants"]) == sorted(set(rows) - {SELFTEST_ID})
+    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
+                             "--status", "cached")
+    assert [r["variant"] for r in payload["variants"]] == [SELFTEST_ID]
+
+
+def write_orphan(root: Path) -> Path:
+    """An entry whose manifest names a kernel the registry no longer has."""
+    entry = root / f"v{cache.SCHEMA}" / "sm_90a" / "retired" / "retired__1-0123456789abcdef0123"
+    entry.mkdir(parents=True)
+    (entry / "module.so").write_bytes(b"\0" * 100)
+    (entry / "manifest.json").write_text(json.dumps({
+        "key": "0123456789abcdef0123", "variant": "retired[x=1]", "arch": "sm_90a", "size": 100,
+        "build_seconds": 1.0, "built_at": time.time()}))
+    return entry
+
+
+def test_list_entries_flags_orphans(run, warm_cache):
+    orphan = write_orphan(warm_cache.root)
+    code, payload = run_json(run, "list", "--entries")
+    assert code == 0
+    rows = {r["entry"]: r for r in payload["entries"]}
+    assert set(rows) == {str(warm_cache.entry), str(orphan)}
+    assert rows[str(orphan)]["orphan"] is True and rows[str(orphan)]["variant"] == "retired[x=1]"
+    assert rows[str(warm_cache.entry)]["orphan"] is False
+    assert rows[str(warm_cache.entry)]["key"] == warm_cache.key
+
+    code, out, err = run("list", "--entries")
+    [orphan_line] = [line for line in out.splitlines() if "(orphan)" in line]
+    assert "retired[x=1]" in orphan_line
+
+
+# --------------------------------------------------------------------------------------------
+# clean
+
+
+def test_clean_dry_run_keeps_files_and_reports_bytes(run, warm_cache):
+    size = cache.dir_size(warm_cache.entry)
+    code, payload = run_json(run, "clean", "--kernel", "selftest", "--dry-run")
+    assert code == 0
+    assert payload == {"removed": [str(warm_cache.entry)], "bytes": size, "dry_run": True}
+    code, out, err = run("clean", "--kernel", "selftest", "--dry-run")
+    assert f"would free {size} bytes" in out
+    assert (warm_cache.entry / "manifest.json").is_file()
+
+
+def test_clean_kernel_removes_its_entries(run, warm_cache):
+    orphan = write_orphan(warm_cache.root)
+    size = cache.dir_size(warm_cache.entry)
+    code, out, err = run("clean", "--kernel", "selftest")
+    assert code == 0, err
+    assert f"freed {size} bytes in 1 paths" in out
+    assert not warm_cache.entry.exists()
+    assert orphan.exists()  # another kernel's entry is untouched
+    loader.clear_memo()
+    variant, arch = loader.variant("selftest", dtype="fp32", pdl=True), loader.Arch.parse("9.0a")
+    assert loader.resolve(variant, arch).entry is None
+
+
+def test_clean_orphans_removes_only_orphans(run, warm_cache):
+    orphan = write_orphan(warm_cache.root)
+    code, payload = run_json(run, "clean", "--orphans")
+    assert code == 0 and payload["removed"] == [str(orphan)]
+    assert not orphan.exists() and warm_cache.entry.exists()
+
+
+def test_clean_without_selection_exits_2(run, warm_cache):
+    code, out, err = run("clean")
+    assert code == 2 and "--all" in err
+    assert warm_cache.entry.exists()
+
+
+def test_clean_stale_removes_old_stages_only(run, warm_cache, monkeypatch):
+    monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "30")
+    folder = warm_cache.entry.parent
+    old, fresh = folder / ".stage-selftest__fp32_pdl-old-1", folder / ".stage-selftest__fp32_pdl-fresh-2"
+    for stage in (old, fresh):
+        stage.mkdir()
+        (stage / "wrapper.cu").write_text("// partial\n")
+    past = time.time() - 3600  # an hour ago, far beyond the 30 s build timeout
+    os.utime(old, (past, past))
+    failed = warm_cache.root / "failed" / "selftest__fp32_pdl-abc"
+    failed.mkdir(parents=True)
+    (failed / "build.log").write_text("error\n")
+
+    code, payload = run_json(run, "clean", "--stale")
+    assert code == 0
+    assert sorted(payload["removed"]) == sorted([str(old), str(warm_cache.root / "failed")])
+    assert not old.exists() and fresh.exists()  # a stage younger than the timeout may be a live build
+    assert warm_cache.entry.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# info
+
+
+def test_info_text(run, warm_cache):
+    code, out, err = run("info")
+    assert code == 0, err
+    assert out.startswith(f"dsv4jit {__version__}")
+    assert "nvcc: " in out and "tvm-ffi: " in out and "torch: " in out
+    assert f"cache root: {warm_cache.root} (writable" in out
+    assert "env: DSV4JIT_CUDA_ARCH=9.0a" in out
+
+
+def test_info_json_fields(run, warm_cache):
+    import torch
+
+    code, info = run_json(run, "info")
+    assert code == 0
+    assert {"nvcc", "tvm_ffi", "torch", "gpus", "cache_roots", "env"} <= set(info)
+    assert info["torch"]["version"] == torch.__version__
+    assert info["tvm_ffi"]["version"] == cache.tvm_ffi_info()["version"]
+    assert info["cache_roots"][0]["path"] == str(warm_cache.root)
+    assert info["cache_roots"][0]["writable"] is True and info["cache_roots"][0]["bytes"] > 0
+    assert info["env"]["DSV4JIT_CUDA_ARCH"] == "9.0a"
+    assert info["env"]["DSV4JIT_CACHE_DIR"] == str(warm_cache.root)
+    if not torch.cuda.is_available():
+        assert info["gpus"] == []
+    assert "path" in info["nvcc"] or "error" in info["nvcc"]
+
+
+def test_info_check_without_gpu(run, warm_cache):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the check runs the kernel")
+    code, info = run_json(run, "info", "--check")
+    assert code == 0
+    assert info["check"]["ok"] is True
+    assert SELFTEST_ID in info["check"]["detail"] and "not run" in info["check"]["detail"]
+
+
+def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
+    code, out, err = run("info", "--check")
+    assert code == 1
+    assert "check: FAILED" in out and "something broke" in out
+
+
+def test_info_variant_shows_the_key_document(run, warm_cache):
+    code, out, err = run("info", SELFTEST_ID, "--arch", "9.0a")
+    assert code == 0, err
+    assert f"variant {SELFTEST_ID} sm_90a: key {warm_cache.key} entry {warm_cache.entry}" in out
+    assert f'"variant": "{SELFTEST_ID}"' in out and '"headers": {' in out
+    code, info = run_json(run, "info", SELFTEST_ID, "--arch", "9.0a")
+    [item] = info["variant"]
+    assert item["key"] == warm_cache.key
+    assert item["document"] == cache.read_manifest(warm_cache.entry)["document"]

@@ -1,0 +1,235 @@
+"""The planner on the GPU: every path gives the reference's bytes (GPU tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4jit import plan_layout, runtime
+from dsv4jit.plan import CompressorDecodePlan, CompressorPrefillPlan
+from dsv4jit.reference import plan as ref
+from pool_utils import random_batch, random_pool
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CONFIGS = [  # (ratio, ring_size, use_req_ring)
+    (4, 8, False), (4, 16, False), (4, 8, True), (4, 16, True), (128, 128, False), (128, 256, False)]
+
+
+def _inputs(seed, batch, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    seq, ext = random_batch(batch, gen, **kw)
+    num_reqs = batch + 3
+    r2t, f2s = random_pool(num_reqs, int(seq.max()) + 64, gen, evict_fraction=0.05)
+    rpi = torch.randperm(num_reqs, generator=gen)[:batch].to(torch.int64)
+    return rpi, seq, ext, r2t, f2s
+
+
+def _all_paths(ratio, ring, req_ring, rpi, seq, ext, r2t, f2s, num_q=None):
+    """Plans from the reference and from our three paths (CPU-resident, CPU lengths, GPU lengths)."""
+    num_q = int(ext.sum()) if num_q is None else num_q
+    cuda = torch.device("cuda")
+    args = (256, ring, num_q)
+    out = {"reference": ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, *args, use_cuda_graph=True,
+                                         use_req_ring=req_ring)}
+    for name, (lens_dev, tab_dev) in {"cpu_resident": ("cpu", "cpu"), "cpu_lengths": ("cpu", cuda),
+                                      "gpu_lengths": (cuda, cuda)}.items():
+        p = CompressorPrefillPlan.generate(ratio, rpi.to(tab_dev), seq.to(lens_dev), ext.to(lens_dev),
+                                           r2t.to(tab_dev), f2s.to(tab_dev), *args, use_cuda_graph=True,
+                                           use_req_ring=req_ring)
+        out[name] = (p.plan_c.cpu(), p.plan_w.cpu())
+    return out
+
+
+@pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
+@pytest.mark.parametrize("seed", range(4))
+def test_all_paths_bit_identical(ratio, ring, req_ring, seed):
+    rpi, seq, ext, r2t, f2s = _inputs(seed, batch=1 + 7 * seed)
+    plans = _all_paths(ratio, ring, req_ring, rpi, seq, ext, r2t, f2s)
+    ref_c, ref_w = plans.pop("reference")
+    for name, (c, w) in plans.items():
+        assert torch.equal(c, ref_c), f"{name}: plan_c differs from the reference"
+        assert torch.equal(w, ref_w), f"{name}: plan_w differs from the reference"
+
+
+@pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
+def test_cpu_lengths_exact_shapes(ratio, ring, req_ring):
+    rpi, seq, ext, r2t, f2s = _inputs(11, batch=9)
+    num_q = int(ext.sum())
+    ref_c, ref_w = ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, 256, ring, num_q, use_req_ring=req_ring)
+    p = CompressorPrefillPlan.generate(ratio, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, ring, num_q,
+                                       use_req_ring=req_ring)
+    assert p.plan_c.shape == ref_c.shape and p.plan_w.shape == ref_w.shape
+    assert torch.equal(p.plan_c.cpu(), ref_c) and torch.equal(p.plan_w.cpu(), ref_w)
+    assert p.num_q_tokens == num_q and not p.is_decode and p[1] is p.plan_c and p[2] is p.plan_w
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_many_requests_chunked_table(ratio):
+    """More requests than one kernel-parameter table holds (CPU lengths): chunked launches."""
+    rpi, seq, ext, r2t, f2s = _inputs(5, batch=1500, max_extend=20, max_prefix=300)
+    num_q = int(ext.sum())
+    ref_c, ref_w = ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, 256, ratio * 2, num_q)
+    p = CompressorPrefillPlan.generate(ratio, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, ratio * 2, num_q)
+    assert torch.equal(p.plan_c.cpu(), ref_c) and torch.equal(p.plan_w.cpu(), ref_w)
+
+
+@pytest.mark.parametrize("extends", [[4] * 72 + [3] * 24, [3] * 104 + [2] * 24])
+def test_ragged_batch_is_not_mistaken_for_uniform(extends):
+    """Regression inputs: a ragged batch must not take the uniform-extend shortcut."""
+    gen = torch.Generator().manual_seed(3)
+    batch = len(extends)
+    ext = torch.tensor(extends, dtype=torch.int64)
+    seq = ext + torch.randint(0, 500, (batch,), generator=gen)
+    r2t, f2s = random_pool(batch, int(seq.max()) + 8, gen)
+    rpi = torch.arange(batch, dtype=torch.int64)
+    plans = _all_paths(4, 16, False, rpi, seq, ext, r2t, f2s)
+    num_q = int(ext.sum())
+    c, w = plan_layout.decode_compress_plan(plans["gpu_lengths"][0]), plan_layout.decode_write_plan(plans["gpu_lengths"][1])
+    assert bool((c.ragged_id[c.valid] < num_q).all()) and bool((w.ragged_id[w.valid] < num_q).all())
+    assert torch.equal(plans["gpu_lengths"][0], plans["reference"][0])
+    assert torch.equal(plans["gpu_lengths"][1], plans["reference"][1])
+
+
+@pytest.mark.parametrize("extend", [1, 4, 32, 33])
+def test_uniform_extend_batches(extend):
+    rpi, seq, ext, r2t, f2s = _inputs(7, batch=256, uniform_extend=extend)
+    plans = _all_paths(4, 16, False, rpi, seq, ext, r2t, f2s)
+    assert torch.equal(plans["gpu_lengths"][0], plans["reference"][0])
+    assert torch.equal(plans["gpu_lengths"][1], plans["reference"][1])
+
+
+def test_cuda_graph_padding_rows_invalid():
+    """seq [4, 20], extend [2, 6] (8 tokens) in a bucket of 12: rows from the counts on are invalid."""
+    gen = torch.Generator().manual_seed(0)
+    r2t, f2s = random_pool(2, 64, gen)
+    rpi = torch.tensor([1, 0])
+    seq, ext = torch.tensor([4, 20]), torch.tensor([2, 6])
+    p = CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), ext.cuda(), r2t.cuda(), f2s.cuda(), 256, 8, 12)
+    c, w = p.rows()
+    assert p.plan_c.shape == (12, 16) and p.plan_w.shape == (12, 8)
+    # Events at p=3 (request 0, ragged 1) and p=15, 19 (request 1, ragged 3, 7). Writes: both tokens
+    # of request 0, and positions 16..19 of request 1 (first_w = 20 - 4): 6 rows.
+    assert c.valid.tolist() == [True] * 3 + [False] * 9
+    assert w.valid.tolist() == [True] * 6 + [False] * 6
+    assert c.seq_len[:3].tolist() == [4, 16, 20] and c.ragged_id[:3].tolist() == [1, 3, 7]
+
+
+def test_graph_capture_and_replay_with_new_lengths():
+    gen = torch.Generator().manual_seed(9)
+    batch, num_q = 8, 256
+    r2t, f2s = random_pool(batch, 2048, gen)
+    rpi, r2t, f2s = torch.arange(batch, dtype=torch.int64).cuda(), r2t.cuda(), f2s.cuda()
+    seq_buf = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    ext_buf = torch.zeros(batch, dtype=torch.int64, device="cuda")
+
+    def fill(seed):
+        g = torch.Generator().manual_seed(seed)
+        ext = torch.randint(1, num_q // batch + 1, (batch,), generator=g)
+        seq = ext + torch.randint(0, 1500, (batch,), generator=g)
+        seq_buf.copy_(seq)
+        ext_buf.copy_(ext)
+        return seq, ext
+
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        CompressorPrefillPlan.generate(4, rpi, seq_buf, ext_buf, r2t, f2s, 256, 8, num_q, use_cuda_graph=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = CompressorPrefillPlan.generate(4, rpi, seq_buf, ext_buf, r2t, f2s, 256, 8, num_q,
+                                                  use_cuda_graph=True)
+    for seed in range(1, 5):
+        seq, ext = fill(seed)
+        captured.plan_c.fill_(0xAB)
+        captured.plan_w.fill_(0xAB)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_c, ref_w = ref.plan_prefill(4, rpi.cpu(), seq, ext, r2t.cpu(), f2s.cpu(), 256, 8, int(ext.sum()),
+                                        use_cuda_graph=True)
+        n_c, n_w = ref_c.shape[0], ref_w.shape[0]
+        assert torch.equal(captured.plan_c[:n_c].cpu(), ref_c)
+        assert torch.equal(captured.plan_w[:n_w].cpu(), ref_w)
+        assert torch.equal(captured.plan_c[n_c:].cpu(), plan_layout.invalid_compress_rows(num_q - n_c))
+        assert torch.equal(captured.plan_w[n_w:].cpu(), plan_layout.invalid_write_rows(num_q - n_w))
+
+
+@pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
+@pytest.mark.parametrize("lengths_on_gpu", [False, True])
+def test_decode_matches_reference(ratio, ring, req_ring, lengths_on_gpu):
+    rpi, seq, _, r2t, f2s = _inputs(21, batch=300)
+    expect = ref.plan_decode(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
+    d = CompressorDecodePlan.generate(ratio, rpi.cuda(), r2t.cuda(), f2s.cuda(), seq.cuda(), 256, ring, req_ring)
+    assert torch.equal(d.plan_d.cpu(), expect)
+    host = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
+    assert torch.equal(host.plan_d, expect)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_legacy_paths(ratio):
+    rpi, seq, ext, _, _ = _inputs(4, batch=12)
+    num_q = int(ext.sum())
+    ref_c, ref_w = ref.plan_prefill_legacy(ratio, rpi, seq, ext, num_q)
+    p = CompressorPrefillPlan.generate_legacy(ratio, rpi.cuda(), seq, ext, num_q, device="cuda")
+    assert torch.equal(p.plan_c.cpu(), ref_c) and torch.equal(p.plan_w.cpu(), ref_w)
+    d = CompressorDecodePlan.generate_legacy(ratio, rpi.cuda(), seq.cuda())
+    assert torch.equal(d.plan_d.cpu(), ref.plan_decode_legacy(ratio, rpi, seq))
+
+
+def test_empty_batch():
+    e = torch.zeros(0, dtype=torch.int64)
+    r2t, f2s = torch.zeros(1, 8, dtype=torch.int32).cuda(), torch.zeros(8, dtype=torch.int64).cuda()
+    p = CompressorPrefillPlan.generate(4, e.cuda(), e, e, r2t, f2s, 256, 8, 0)
+    assert p.plan_c.shape == (0, 16) and p.plan_w.shape == (0, 8)
+    p = CompressorPrefillPlan.generate(4, e.cuda(), e.cuda(), e.cuda(), r2t, f2s, 256, 8, 0)
+    assert p.plan_c.shape == (0, 16) and p.plan_w.shape == (0, 8)
+    assert CompressorDecodePlan.generate(4, e.cuda(), r2t, f2s, e.cuda(), 256, 8).plan_d.shape == (0, 16)
+
+
+def test_checked_mode_reports_device_data_violations():
+    rpi, seq, ext, r2t, f2s = _inputs(2, batch=4)
+    num_q = int(ext.sum())
+    runtime.set_checks(True)
+    try:
+        with pytest.raises(ValueError, match="sum of extend_lens"):  # bucket smaller than the tokens
+            CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), ext.cuda(), r2t.cuda(), f2s.cuda(), 256, 8,
+                                           num_q - 1)
+        bad = r2t.clone()
+        bad[rpi[0], : int(seq[0])] = 10**9  # slots past full_to_state
+        with pytest.raises(ValueError, match="full_to_state lookup is out of range"):
+            CompressorDecodePlan.generate(4, rpi.cuda(), bad.cuda(), f2s.cuda(), seq.cuda(), 256, 8)
+        ok = CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), ext.cuda(), r2t.cuda(),
+                                            torch.arange(f2s.numel(), dtype=torch.int64).cuda(), 256, 8, num_q)
+        assert ok.plan_c.shape[0] == num_q
+    finally:
+        runtime.set_checks(None)
+
+
+def test_default_mode_never_reads_out_of_bounds():
+    """Excess tokens are dropped (no sync, no error) and rows stay inside the plan tensors."""
+    rpi, seq, ext, r2t, f2s = _inputs(2, batch=4)
+    num_q = int(ext.sum()) - 3
+    p = CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), ext.cuda(), r2t.cuda(), f2s.cuda(), 256, 8, num_q)
+    torch.cuda.synchronize()
+    c, w = p.rows()
+    assert bool((c.ragged_id[c.valid] < num_q).all()) and bool((w.ragged_id[w.valid] < num_q).all())
+
+
+def test_argument_errors_name_the_argument():
+    rpi, seq, ext, r2t, f2s = _inputs(2, batch=4)
+    num_q = int(ext.sum())
+    with pytest.raises(ValueError, match="compress_ratio"):
+        CompressorPrefillPlan.generate(8, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, 8, num_q)
+    with pytest.raises(TypeError, match="req_to_token"):
+        CompressorPrefillPlan.generate(4, rpi.cuda(), seq, ext, r2t.cuda().long(), f2s.cuda(), 256, 8, num_q)
+    with pytest.raises(ValueError, match="num_q_tokens"):
+        CompressorPrefillPlan.generate(4, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, 8, num_q + 1)
+    with pytest.raises(TypeError, match="full_to_state"):
+        CompressorPrefillPlan.generate(4, rpi.cuda(), seq, ext, r2t.cuda(), f2s, 256, 8, num_q)
+    with pytest.raises(ValueError, match="seq_lens"):
+        CompressorPrefillPlan.generate(4, rpi.cuda().repeat(300), seq.cuda().repeat(300), ext.cuda().repeat(300),
+                                       r2t.cuda(), f2s.cuda(), 256, 8, num_q * 300)
+    with pytest.raises(ValueError, match="ring_size"):
+        CompressorDecodePlan.generate(4, rpi.cuda(), r2t.cuda(), f2s.cuda(), seq.cuda(), 256, 6)

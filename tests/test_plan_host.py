@@ -1,0 +1,138 @@
+"""The compiled planner on the CPU (every input on the host) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4jit import plan_layout, runtime
+from dsv4jit.plan import CompressorDecodePlan, CompressorPrefillPlan
+from dsv4jit.reference import plan as ref
+from pool_utils import random_batch, random_pool
+
+CONFIGS = [(4, 8, False), (4, 16, False), (4, 8, True), (4, 16, True), (128, 128, False), (128, 256, False)]
+
+
+def _inputs(seed, batch, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    seq, ext = random_batch(batch, gen, **kw)
+    num_reqs = batch + 3
+    r2t, f2s = random_pool(num_reqs, int(seq.max()) + 64, gen, evict_fraction=0.05)
+    rpi = torch.randperm(num_reqs, generator=gen)[:batch].to(torch.int64)
+    return rpi, seq, ext, r2t, f2s
+
+
+@pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_prefill_matches_reference(ratio, ring, req_ring, use_cuda_graph, seed):
+    rpi, seq, ext, r2t, f2s = _inputs(seed, batch=1 + 5 * seed)
+    num_q = int(ext.sum())
+    expect_c, expect_w = ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, 256, ring, num_q,
+                                          use_cuda_graph=use_cuda_graph, use_req_ring=req_ring)
+    p = CompressorPrefillPlan.generate(ratio, rpi, seq, ext, r2t, f2s, 256, ring, num_q,
+                                       use_cuda_graph=use_cuda_graph, use_req_ring=req_ring)
+    assert p.plan_c.device.type == "cpu"
+    assert torch.equal(p.plan_c, expect_c) and torch.equal(p.plan_w, expect_w)
+
+
+@pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
+def test_decode_matches_reference(ratio, ring, req_ring):
+    rpi, seq, _, r2t, f2s = _inputs(3, batch=40)
+    d = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
+    assert torch.equal(d.plan_d, ref.plan_decode(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring))
+    assert d.is_decode and d[1] is d.plan_d and d.rows().seq_len.tolist() == seq.tolist()
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+def test_legacy_matches_reference(ratio, use_cuda_graph):
+    rpi, seq, ext, _, _ = _inputs(8, batch=10)
+    num_q = int(ext.sum())
+    p = CompressorPrefillPlan.generate_legacy(ratio, rpi, seq, ext, num_q, device="cpu", use_cuda_graph=use_cuda_graph)
+    expect_c, expect_w = ref.plan_prefill_legacy(ratio, rpi, seq, ext, num_q, use_cuda_graph=use_cuda_graph)
+    assert torch.equal(p.plan_c, expect_c) and torch.equal(p.plan_w, expect_w)
+    d = CompressorDecodePlan.generate_legacy(ratio, rpi, seq)
+    assert torch.equal(d.plan_d, ref.plan_decode_legacy(ratio, rpi, seq))
+
+
+def test_large_prefill_and_limits():
+    """The largest bucket (65536 tokens) plans; one more token is refused."""
+    gen = torch.Generator().manual_seed(1)
+    seq, ext = torch.tensor([70000, 40000]), torch.tensor([40000, 25536])
+    r2t, f2s = random_pool(2, 70000, gen)
+    rpi = torch.tensor([1, 0])
+    p = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s, 256, 8, 65536)
+    expect_c, expect_w = ref.plan_prefill(4, rpi, seq, ext, r2t, f2s, 256, 8, 65536)
+    assert torch.equal(p.plan_c, expect_c) and torch.equal(p.plan_w, expect_w)
+    with pytest.raises(ValueError, match="num_q_tokens"):
+        CompressorPrefillPlan.generate(4, rpi, seq + 1, ext + torch.tensor([1, 0]), r2t, f2s, 256, 8, 65537)
+
+
+def test_empty_batch():
+    e = torch.zeros(0, dtype=torch.int64)
+    r2t, f2s = torch.zeros(1, 8, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)
+    for cg in (False, True):
+        p = CompressorPrefillPlan.generate(4, e, e, e, r2t, f2s, 256, 8, 0, use_cuda_graph=cg)
+        assert p.plan_c.shape == (0, 16) and p.plan_w.shape == (0, 8)
+    assert CompressorDecodePlan.generate(128, e, r2t, f2s, e, 256, 128).plan_d.shape == (0, 16)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(compress_ratio=8), "argument 'compress_ratio' must be 4 or 128, got 8"),
+    (dict(ring_size=6), "argument 'ring_size' must be a positive multiple of compress_ratio"),
+    (dict(swa_page_size=100), "argument 'swa_page_size' must be a positive multiple of ring_size"),
+    (dict(use_req_ring=True, compress_ratio=128, ring_size=128), "argument 'use_req_ring'"),
+    (dict(num_q_tokens=5), "argument 'num_q_tokens'"),
+])
+def test_argument_errors_name_the_argument(bad, match):
+    rpi, seq, ext, r2t, f2s = _inputs(2, batch=3)
+    kw = dict(compress_ratio=4, req_pool_indices=rpi, seq_lens=seq, extend_lens=ext, req_to_token=r2t,
+              full_to_state=f2s, swa_page_size=256, ring_size=8, num_q_tokens=int(ext.sum()))
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        CompressorPrefillPlan.generate(**kw)
+
+
+def test_bad_lengths_and_dtypes():
+    rpi, seq, ext, r2t, f2s = _inputs(2, batch=3)
+    bad_ext = ext.clone()
+    bad_ext[1] = seq[1] + 1
+    with pytest.raises(ValueError, match=r"request 1 must have 0 < extend_len <= seq_len"):
+        CompressorPrefillPlan.generate(4, rpi, seq, bad_ext, r2t, f2s, 256, 8, int(bad_ext.sum()))
+    with pytest.raises(TypeError, match="argument 'full_to_state': dtype must be int64, got int32"):
+        CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s.int(), 256, 8, int(ext.sum()))
+    with pytest.raises(ValueError, match="argument 'seq_lens' must be in"):
+        CompressorDecodePlan.generate(4, rpi, r2t, f2s, seq * 0, 256, 8)
+    with pytest.raises(ValueError, match="req_to_token and full_to_state are required"):
+        CompressorDecodePlan.generate(4, rpi, None, None, seq, 256, 8)
+
+
+def test_checked_mode_flags_out_of_range_lookups():
+    rpi, seq, ext, r2t, f2s = _inputs(2, batch=3)
+    num_q = int(ext.sum())
+    short = f2s[:10]  # almost every req_to_token slot now points past full_to_state
+    plain = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, short, 256, 8, num_q)  # default: no error
+    w = plan_layout.decode_write_plan(plain.plan_w)
+    assert bool((w.write_loc == -1).any())  # out-of-range lookups read as the "no slot" value -1
+    runtime.set_checks(True)
+    try:
+        with pytest.raises(ValueError, match="full_to_state lookup is out of range"):
+            CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, short, 256, 8, num_q)
+    finally:
+        runtime.set_checks(None)
+
+
+def test_copy_refreshes_graph_buffers():
+    rpi, seq, ext, r2t, f2s = _inputs(6, batch=4)
+    num_q = int(ext.sum())
+    a = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s, 256, 8, num_q, use_cuda_graph=True)
+    b = CompressorPrefillPlan.generate(4, rpi.flip(0), seq, ext, r2t, f2s, 256, 8, num_q, use_cuda_graph=True)
+    a.copy_(b)
+    assert torch.equal(a.plan_c, b.plan_c) and torch.equal(a.plan_w, b.plan_w)
+    with pytest.raises(ValueError, match="compress_ratio must be 4, got 128"):
+        a.copy_(CompressorPrefillPlan(128, b.plan_c, b.plan_w))
+    with pytest.raises(ValueError, match="plan_c must have shape"):
+        a.copy_(CompressorPrefillPlan(4, b.plan_c[:1], b.plan_w))
+    c, w = a.rows()
+    assert bool(c.valid.any()) and bool(w.valid.any())
