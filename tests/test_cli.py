@@ -78,7 +78,7 @@ def test_precompile_json(run, warm_cache):
     assert code == 0
     assert payload["results"] == [{"variant": SELFTEST_ID, "arch": "sm_90a", "status": "cached",
                                    "entry": str(warm_cache.entry)}]
-    assert payload["summary"] == {"built": 0, "cached": 1, "failed": 0}
+    assert payload["summary"] == {"built": 0, "cached": 1, "failed": 0, "cancelled": 0}
     assert isinstance(payload["wall_seconds"], (int, float))
 
 

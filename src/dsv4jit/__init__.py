@@ -1,2 +1,32 @@
-"""dsv4jit: JIT-compiled CUDA kernels for the DeepSeek-V4 KV compressor."""
+"""dsv4jit: JIT-compiled CUDA kernels for the DeepSeek-V4 KV compressor.
+
+Importing the package is cheap: torch, tvm-ffi and the kernels load on first use of a public name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+# public name -> module that defines it (resolved lazily, so `import dsv4jit` stays inert)
+_EXPORTS = {
+    "CompressorPrefillPlan": "dsv4jit.plan",
+    "CompressorDecodePlan": "dsv4jit.plan",
+    "compress_forward": "dsv4jit.ops",
+    "set_checks": "dsv4jit.runtime",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dsv4jit' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -143,6 +143,9 @@ def cmd_precompile(args) -> int:
         futures = {pool.submit(one, r): r for r in todo}
         for i, fut in enumerate(as_completed(futures), 1):
             r = futures[fut]
+            if fut.cancelled():  # after a failure without --keep-going
+                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cancelled"})
+                continue
             try:
                 seconds = fut.result()
                 results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "built",
@@ -158,8 +161,9 @@ def cmd_precompile(args) -> int:
                     for f in futures:
                         f.cancel()
     wall = time.monotonic() - start
-    counts = {s: sum(r["status"] == s for r in results) for s in ("built", "cached", "failed")}
-    summary = f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}, {wall:.1f}s wall (-j {jobs})"
+    counts = {s: sum(r["status"] == s for r in results) for s in ("built", "cached", "failed", "cancelled")}
+    summary = (f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}"
+               + (f", cancelled {counts['cancelled']}" if counts["cancelled"] else "") + f", {wall:.1f}s wall (-j {jobs})")
     _emit(args, {"results": results, "summary": counts, "wall_seconds": round(wall, 2)}, [summary])
     return EXIT_FAILED if failed else EXIT_OK
 

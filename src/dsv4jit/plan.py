@@ -29,8 +29,10 @@ def _status_word(device: torch.device) -> torch.Tensor | None:
     return torch.zeros(1, dtype=torch.int32, device=device) if runtime.checks_enabled() else None
 
 
-def _device_of(*tensors: torch.Tensor) -> torch.device:
-    return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), torch.device("cpu"))
+def _device_of(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.device:
+    """Plans live with the lookup tables (req_pool_indices), or with the lengths if those are on a GPU."""
+    device = req_pool_indices.device
+    return device if device.type == "cuda" else seq_lens.device
 
 
 def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,

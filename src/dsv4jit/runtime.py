@@ -13,18 +13,18 @@ from .jit.kernels import SPECS
 from .jit.toolchain import Arch
 
 _FUNCTIONS: dict[tuple, object] = {}
-_checks_override: list[bool] = []
+_checks: list[bool] = []  # resolved once: DSV4JIT_CHECK is read at first use, set_checks overrides
 
 
 def set_checks(enabled: bool | None) -> None:
-    """Checked mode (data-dependent validation with a device sync); None restores DSV4JIT_CHECK."""
-    _checks_override.clear()
-    if enabled is not None:
-        _checks_override.append(bool(enabled))
+    """Checked mode (data-dependent validation with a device sync); None re-reads DSV4JIT_CHECK."""
+    _checks[:] = [env.checks() if enabled is None else bool(enabled)]
 
 
 def checks_enabled() -> bool:
-    return _checks_override[0] if _checks_override else env.checks()
+    if not _checks:
+        _checks.append(env.checks())
+    return _checks[0]
 
 
 def _arch(device: torch.device) -> Arch:
@@ -33,7 +33,7 @@ def _arch(device: torch.device) -> Arch:
 
 def function(kernel: str, name: str, device: torch.device, **params):
     """The exported function `name` of `kernel` built for `device`; `pdl` defaults to sm_90+."""
-    key = (kernel, name, device.type, device.index, tuple(sorted(params.items())))
+    key = (kernel, name, device, *params.items())  # callers pass params in a fixed order
     fn = _FUNCTIONS.get(key)
     if fn is None:
         spec = SPECS[kernel]

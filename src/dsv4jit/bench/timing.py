@@ -62,6 +62,22 @@ def wall_us(fn: Callable[[], object], warmup: int = 20, reps: int = 200) -> floa
     return 1e6 * statistics.median(times)
 
 
+def host_us(fn: Callable[[], object], warmup: int = 20, reps: int = 256) -> float:
+    """Median host time of one call (what a serving loop pays on the CPU; the GPU runs behind)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        if i % 32 == 0:
+            torch.cuda.synchronize()  # keep the launch queue short, outside the timed region
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
 def sync_overhead_us(reps: int = 200) -> float:
     """Median cost of an idle torch.cuda.synchronize (subtract it from wall_us for latency)."""
     return wall_us(lambda: None, reps=reps)
@@ -75,11 +91,11 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
-def empty_launch_us() -> float:
-    """Device time of a one-element kernel of ours (the floor for tiny launches)."""
+def empty_kernel() -> Callable[[], object]:
+    """A one-element kernel launch of ours: the floor for tiny launches."""
     from .. import runtime
 
     x = torch.randn(1, device="cuda")
     out = torch.empty_like(x)
     fn = runtime.function("selftest", "affine", x.device, dtype="fp32")
-    return event_us(lambda: fn(x, out, 1.0, 0.0))
+    return lambda: fn(x, out, 1.0, 0.0)

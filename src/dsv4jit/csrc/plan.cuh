@@ -20,7 +20,7 @@
 namespace dsv4::plan {
 
 inline constexpr int kThreads = 256;
-inline constexpr int kTokensPerBlock = 1024;  // amortises building the request table per block
+inline constexpr int kTokensPerBlock = kThreads;  // one token per thread: latency over table reuse
 
 /// Host-built request tables travel as kernel parameters (no staging copy): size classes.
 template <int kMaxRequests>
@@ -231,8 +231,8 @@ struct Planner {
     check_plan_tensor(op, "plan_c", plan_c, num_q, sizeof(CompressPlan), dev, true);
     check_plan_tensor(op, "plan_w", plan_w, num_q, sizeof(WritePlan), dev, true);
     expect(batch.value <= kMaxDeviceBatch, op, "seq_lens",
-           "at most " + std::to_string(kMaxDeviceBatch) + " requests on the GPU-input path", batch.value);
-    expect(num_q.value <= kMaxTokens, op, "num_q_tokens", "at most " + std::to_string(kMaxTokens), num_q.value);
+           [&] { return "at most " + std::to_string(kMaxDeviceBatch) + " requests on the GPU-input path"; }, batch.value);
+    expect(num_q.value <= kMaxTokens, op, "num_q_tokens", [&] { return "at most " + std::to_string(kMaxTokens); }, num_q.value);
     expect(batch.value <= num_q.value, op, "num_q_tokens", "at least the batch size", num_q.value);
     p.g = g;
     p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
@@ -267,8 +267,8 @@ struct Planner {
     check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WritePlan), dev, true);
     const int64_t need_c = use_cuda_graph ? num_q_tokens : totals.num_c;
     const int64_t need_w = use_cuda_graph ? num_q_tokens : totals.num_w;
-    expect(rows_c.value >= need_c, op, "plan_c", "at least " + std::to_string(need_c) + " rows", rows_c.value);
-    expect(rows_w.value >= need_w, op, "plan_w", "at least " + std::to_string(need_w) + " rows", rows_w.value);
+    expect(rows_c.value >= need_c, op, "plan_c", [&] { return "at least " + std::to_string(need_c) + " rows"; }, rows_c.value);
+    expect(rows_w.value >= need_w, op, "plan_w", [&] { return "at least " + std::to_string(need_w) + " rows"; }, rows_w.value);
     p.g = g;
     p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
     p.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());

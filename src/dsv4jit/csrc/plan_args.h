@@ -30,9 +30,9 @@ inline Geometry checked_geometry(const char* op, int64_t ratio, int64_t swa_page
   expect(!use_req_ring || ratio == 4, op, "use_req_ring", "False when compress_ratio is 128", "True");
   if (!legacy) {
     expect(ring_size > 0 && ring_size % ratio == 0, op, "ring_size",
-           "a positive multiple of compress_ratio (" + std::to_string(ratio) + ")", ring_size);
+           [&] { return "a positive multiple of compress_ratio (" + std::to_string(ratio) + ")"; }, ring_size);
     expect(swa_page_size > 0 && swa_page_size % ring_size == 0, op, "swa_page_size",
-           "a positive multiple of ring_size (" + std::to_string(ring_size) + ")", swa_page_size);
+           [&] { return "a positive multiple of ring_size (" + std::to_string(ring_size) + ")"; }, swa_page_size);
     expect(ring_size <= INT32_MAX && swa_page_size <= INT32_MAX, op, "ring_size", "< 2^31", ring_size);
   }
   return make_geometry(static_cast<int32_t>(ratio), legacy ? 1 : static_cast<int32_t>(swa_page_size),
@@ -100,10 +100,10 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
   Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cpu().contiguous();
   Check(op, "extend_lens", extend_lens).shape({batch}).dtype(dl::kI64).cpu().contiguous();
   const int64_t B = batch.value;
-  expect(B <= kMaxBatch, op, "seq_lens", "at most " + std::to_string(kMaxBatch) + " requests", B);
+  expect(B <= kMaxBatch, op, "seq_lens", [&] { return "at most " + std::to_string(kMaxBatch) + " requests"; }, B);
   expect(num_q_tokens >= 0 && num_q_tokens <= kMaxTokens, op, "num_q_tokens",
-         "in [0, " + std::to_string(kMaxTokens) + "]", num_q_tokens);
-  expect(B <= num_q_tokens, op, "num_q_tokens", "at least the batch size (" + std::to_string(B) + ")", num_q_tokens);
+         [&] { return "in [0, " + std::to_string(kMaxTokens) + "]"; }, num_q_tokens);
+  expect(B <= num_q_tokens, op, "num_q_tokens", [&] { return "at least the batch size (" + std::to_string(B) + ")"; }, num_q_tokens);
   const auto* seq = static_cast<const int64_t*>(seq_lens.data_ptr());
   const auto* ext = static_cast<const int64_t*>(extend_lens.data_ptr());
   table.resize(B + 1);
@@ -122,8 +122,8 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
     if (tokens > static_cast<uint64_t>(num_q_tokens)) break;
   }
   expect(tokens == static_cast<uint64_t>(num_q_tokens), op, "num_q_tokens",
-         "the sum of extend_lens (" + std::to_string(tokens) + (tokens > static_cast<uint64_t>(num_q_tokens) ? "+" : "") +
-             ")",
+         [&] { return "the sum of extend_lens (" + std::to_string(tokens) + (tokens > static_cast<uint64_t>(num_q_tokens) ? "+" : "") +
+             ")"; },
          num_q_tokens);
   table[B] = {0, static_cast<uint32_t>(tokens), totals.num_c, totals.num_w};
   return totals;

@@ -36,8 +36,8 @@ struct HostPlanner {
     check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WritePlan), dev, false);
     const int64_t cap_c = use_cuda_graph ? num_q_tokens : totals.num_c;
     const int64_t cap_w = use_cuda_graph ? num_q_tokens : totals.num_w;
-    expect(rows_c.value >= cap_c, op, "plan_c", "at least " + std::to_string(cap_c) + " rows", rows_c.value);
-    expect(rows_w.value >= cap_w, op, "plan_w", "at least " + std::to_string(cap_w) + " rows", rows_w.value);
+    expect(rows_c.value >= cap_c, op, "plan_c", [&] { return "at least " + std::to_string(cap_c) + " rows"; }, rows_c.value);
+    expect(rows_w.value >= cap_w, op, "plan_w", [&] { return "at least " + std::to_string(cap_w) + " rows"; }, rows_w.value);
     auto* out_c = static_cast<CompressPlan*>(plan_c.data_ptr());
     auto* out_w = static_cast<WritePlan*>(plan_w.data_ptr());
     for (int64_t b = 0; b < batch.value; ++b) {

@@ -38,4 +38,24 @@ PLAN_HOST = KernelSpec(
     doc="the planner on the CPU (all inputs and plans on the host)",
 )
 
-SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST)}
+FLOAT = ("fp32", "bf16", "fp16")
+
+
+def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, ...]) -> KernelSpec:
+    entry = "dsv4::compress::Compress<%d, {head_dim}, {state}, {input}, {output}, {pdl}>" % ratio
+    return KernelSpec(
+        name=f"compress_c{ratio}",
+        header="compress.cuh",
+        params=(Param("head_dim", "int", head_dims), Param("state", "dtype", ("fp32", "bf16")),
+                Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
+        exports={"prefill": entry + "::prefill", "decode": entry + "::decode"},
+        serving=tuple({"head_dim": hd, "state": st, "input": "fp32", "output": "fp32", "pdl": True}
+                      for hd in serving_dims for st in ("fp32", "bf16")),
+        doc=f"ratio-{ratio} window softmax pooling and state-ring writes (prefill and decode)",
+    )
+
+
+COMPRESS_C4 = _compress(4, (128, 256, 512), (512, 128))
+COMPRESS_C128 = _compress(128, (64, 128, 256, 512), (512,))
+
+SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128)}

@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "dtypes.h"
 
@@ -33,7 +34,7 @@ struct Size {
   explicit Size(const char* name) : name(name) {}
   const char* name;
   int64_t value = -1;
-  std::string bound_by;
+  const char* bound_by = "";
   bool bound() const { return value >= 0; }
 };
 
@@ -41,7 +42,7 @@ struct Size {
 struct Device {
   bool bound = false;
   DLDevice dev{};
-  std::string bound_by;
+  const char* bound_by = "";
 };
 
 /// One expected dimension: a literal, a symbolic Size, or anything.
@@ -162,9 +163,14 @@ class Check {
 };
 
 /// Scalar argument check: ValueError "dsv4jit.<op>: argument '<name>' must be <expectation>, got <actual>".
-template <typename T>
-inline void expect(bool ok, const char* op, const char* name, const std::string& expectation, const T& actual) {
-  if (!ok) {
+/// `expectation` is text, or a callable returning text (built only on failure: checks run per call).
+template <typename Expectation, typename T>
+inline void expect(bool ok, const char* op, const char* name, const Expectation& expectation, const T& actual) {
+  if (ok) return;
+  if constexpr (std::is_invocable_v<Expectation>) {
+    TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation()
+                              << ", got " << actual;
+  } else {
     TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation
                               << ", got " << actual;
   }

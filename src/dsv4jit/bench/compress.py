@@ -1,0 +1,134 @@
+"""compress_forward throughput: µs, bytes moved, GB/s and % of the measured copy bandwidth.
+
+    python -m dsv4jit.bench.compress [--json] [--quick]
+
+Bytes count what the op must move at least: every input element it uses read once (window slots
+from the ragged input or the state ring, tokens stored into the ring), every output element
+written once (pooled rows, ring rows), plus plans and ape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from .. import plan_layout
+from ..ops import compress_forward
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan
+from . import timing
+
+SWA_PAGE = 256
+
+
+def _pool(batch: int, max_ctx: int, device):
+    """Page-aligned SWA mapping: request r's position q lives in SWA slot (r·pages + q/256)·256 + q%256."""
+    pages = (max_ctx + SWA_PAGE - 1) // SWA_PAGE
+    req_to_token = torch.arange(batch * pages * SWA_PAGE, dtype=torch.int32, device=device).reshape(batch, -1)
+    full_to_state = torch.arange(batch * pages * SWA_PAGE + 1, dtype=torch.int64, device=device)
+    full_to_state[-1] = -1
+    return req_to_token, full_to_state, batch * pages
+
+
+class Case:
+    def __init__(self, name, ratio, hd, seq, ext, decode, state_dtype=torch.float32, dtype=torch.float32):
+        dev = torch.device("cuda")
+        self.name, self.ratio, self.hd = name, ratio, hd
+        batch = len(seq)
+        r2t, f2s, swa_pages = _pool(batch, max(seq) + 8, dev)
+        rpi = torch.arange(batch, dtype=torch.int64, device=dev)
+        ring = 8 if ratio == 4 else 128
+        state_rows = swa_pages * ring if ratio == 4 else batch * ring
+        last_dim = (4 if ratio == 4 else 2) * hd
+        self.state = torch.randn(state_rows // ratio, ratio, last_dim, device=dev).to(state_dtype)
+        seq_t = torch.tensor(seq, dtype=torch.int64, device=dev)
+        if decode:
+            self.plan = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq_t, SWA_PAGE, ring)
+            tokens = batch
+        else:
+            ext_t = torch.tensor(ext, dtype=torch.int64)
+            tokens = sum(ext)
+            self.plan = CompressorPrefillPlan.generate(ratio, rpi, seq_t.cpu(), ext_t, r2t, f2s, SWA_PAGE, ring, tokens)
+        self.input = (2 * torch.randn(tokens, last_dim, device=dev)).to(dtype)
+        self.ape = torch.randn(8 if ratio == 4 else 128, hd, device=dev).to(dtype)
+        self.out = torch.empty(self.plan[1].shape[0], hd, device=dev, dtype=dtype)
+        self.bytes = self._bytes(decode, state_dtype.itemsize, dtype.itemsize)
+
+    def _bytes(self, decode, state_b, in_b) -> int:
+        hd, window = self.hd, 8 if self.ratio == 4 else 128
+        row_elems = (4 if self.ratio == 4 else 2) * hd
+        ape = window * hd * in_b
+        if decode:
+            rows = plan_layout.decode_decode_plan(self.plan.plan_d)
+            boundary = rows.seq_len % self.ratio == 0
+            per_request = row_elems * (in_b + state_b) + hd * in_b + 16
+            return int(len(rows.seq_len) * per_request + int(boundary.sum()) * (window - 1) * 2 * hd * state_b + ape)
+        c, w = self.plan.rows()
+        valid = c.valid
+        buffered = c.buffer_len[valid].sum().item()
+        slots = int(valid.sum()) * window
+        masked = int(((c.seq_len == 4) & valid).sum()) * 4 if self.ratio == 4 else 0
+        pooled = 2 * hd * (buffered * state_b + (slots - buffered - masked) * in_b)
+        writes = int(w.valid.sum()) * row_elems * (in_b + state_b)
+        return int(pooled + writes + int(valid.sum()) * hd * in_b + 16 * len(valid) + 8 * len(w.valid) + ape)
+
+    def __call__(self):
+        compress_forward(self.state, self.input, self.ape, self.plan, head_dim=self.hd, compress_ratio=self.ratio,
+                         out=self.out)
+
+
+def cases(quick: bool):
+    c = [
+        Case("prefill c4 hd512 1x8192", 4, 512, [8192], [8192], False),
+        Case("prefill c4 hd512 16x512", 4, 512, [512 + 37 * i for i in range(16)], [512] * 16, False),
+        Case("prefill c4 hd512 1x32768", 4, 512, [32768], [32768], False),
+        Case("prefill c4 hd128 1x8192", 4, 128, [8192], [8192], False),
+        Case("prefill c128 hd512 1x8192", 128, 512, [8192], [8192], False),
+        Case("prefill c128 hd512 1x32768", 128, 512, [32768], [32768], False),
+        Case("prefill c4 hd512 1x8192 bf16-state", 4, 512, [8192], [8192], False, torch.bfloat16),
+    ]
+    for b in (1, 64, 256, 1024):
+        c.append(Case(f"decode c4 hd512 B={b} boundary", 4, 512, [400 + 4 * i for i in range(b)], None, True))
+    for b in (1, 16, 128, 256):
+        c.append(Case(f"decode c128 hd512 B={b} boundary", 128, 512, [512 + 128 * (i % 8) for i in range(b)], None,
+                      True))
+    c.append(Case("decode c4 hd512 B=256 off-boundary", 4, 512, [401 + 4 * i for i in range(256)], None, True))
+    c.append(Case("decode c128 hd512 B=256 off-boundary", 128, 512, [513 + 128 * (i % 8) for i in range(256)], None,
+                  True))
+    return c[:3] + c[7:9] if quick else c
+
+
+def run(quick: bool = False) -> dict:
+    copy_gbs = timing.copy_bandwidth_gbs()
+    empty = timing.graph_us(timing.empty_kernel())
+    rows = []
+    for case in cases(quick):
+        eager = timing.event_us(case)
+        graph = timing.graph_us(case)
+        best = min(eager, graph)
+        gbs = case.bytes / (best * 1e-6) / 1e9
+        rows.append({"case": case.name, "bytes": case.bytes, "eager_us": eager, "graph_us": graph, "gbs": gbs,
+                     "pct_copy": 100 * gbs / copy_gbs})
+    return {"copy_gbs": copy_gbs, "empty_kernel_graph_us": empty, "rows": rows}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    res = run(args.quick)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return
+    print(f"device copy bandwidth {res['copy_gbs']:.0f} GB/s; empty kernel (graph replay) "
+          f"{res['empty_kernel_graph_us']:.2f} µs")
+    print(f"{'case':40s} {'MB':>8s} {'eager µs':>9s} {'graph µs':>9s} {'GB/s':>7s} {'% copy':>7s}")
+    for r in res["rows"]:
+        print(f"{r['case']:40s} {r['bytes'] / 1e6:8.2f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} {r['gbs']:7.0f} "
+              f"{r['pct_copy']:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

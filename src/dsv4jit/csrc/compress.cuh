@@ -1,0 +1,349 @@
+// The compress kernels (SPEC §C c4, §D c128): softmax-pool each compress event's window and keep
+// the state ring current. One kernel family for both ratios:
+//
+//   unit  = (plan row, slice of 32 lanes × kLaneChannels channels); a unit's warps split the
+//           window 8 slots each (c4: 1 warp, c128: 16 warps whose partials merge in shared memory)
+//   slot  = window position; its kv/score columns and its source (state ring or ragged input)
+//           come from Window<...> and the plan row
+//
+// Prefill runs two launches in stream order: pool (reads the ring as it was before this step),
+// then write (stores this step's tokens); writes may alias rows the pool pass still reads.
+// Decode is one launch: each request's current token is written and, at a boundary, pooled from
+// registers (it is the window's last slot), the other slots from the ring.
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include "common/launch.cuh"
+#include "common/pdl.cuh"
+#include "common/plan_structs.h"
+#include "common/tensor_check.h"
+#include "common/types.cuh"
+#include "common/vec.cuh"
+#include "common/warp.cuh"
+#include "common/window_softmax.cuh"
+
+namespace dsv4::compress {
+
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+
+/// Status bits for checked mode: plan entries that point outside the tensors (row skipped).
+enum StatusBit : int32_t {
+  kStatePageOutOfRange = 1,
+  kRaggedRowOutOfRange = 2,
+  kWriteLocOutOfRange = 4,
+};
+
+/// Geometry of a ratio: token-row layout, window slots, and where each slot's columns live.
+template <int kRatio, int kHeadDim>
+struct Window {
+  static constexpr bool kOverlap = kRatio == 4;
+  static constexpr int kSlots = kOverlap ? 8 : 128;                  // Wn
+  static constexpr int kRowWidth = (kOverlap ? 4 : 2) * kHeadDim;    // kv_ov | kv | sc_ov | sc, or kv | sc
+  static constexpr int kSlotsPerWarp = 8;
+  static constexpr int kWarpsPerUnit = kSlots / kSlotsPerWarp;
+  static constexpr int kLaneChannels = kHeadDim % 128 == 0 ? 4 : 2;
+  static constexpr int kUnitChannels = kWarpSize * kLaneChannels;
+  static constexpr int kSlices = kHeadDim / kUnitChannels;
+  static constexpr int kGroups = kRowWidth / kHeadDim;               // column groups of a row
+  static_assert(kHeadDim % 64 == 0 && (!kOverlap || kHeadDim % 128 == 0), "c4 needs hd % 128, c128 hd % 64");
+
+  // c4 slots 0-3 take the overlap role of the previous block, 4-7 the current role.
+  static DSV4_HD int kv_col(int s) { return kOverlap && s >= 4 ? kHeadDim : 0; }
+  static DSV4_HD int score_col(int s) { return kOverlap ? (s >= 4 ? 3 : 2) * kHeadDim : kHeadDim; }
+  /// State row of a buffered slot: c4 overlap slots on read_page_0, the others on read_page_1.
+  static DSV4_HD int64_t state_row(int s, int32_t page_0, int32_t page_1) {
+    return kOverlap ? int64_t{s < 4 ? page_0 : page_1} * kRatio + (s & 3) : int64_t{page_1} * kRatio + s;
+  }
+  /// The first c4 window (seq_len 4) has no previous block: its overlap slots are masked.
+  static DSV4_HD bool masked(int s, uint32_t seq_len) { return kOverlap && seq_len == 4 && s < 4; }
+};
+
+struct Params {
+  void* state;          // [num_pages, R, row width] BufferT
+  const void* input;    // [num_input_rows, row width] InT
+  const void* ape;      // [Wn, hd] InT
+  void* out;            // [num_rows, hd] OutT
+  const void* plan;     // CompressPlan rows (prefill pool pass) or DecodePlan rows
+  const WritePlan* plan_w;
+  int64_t num_pages;
+  int64_t num_input_rows;
+  uint32_t num_rows;    // rows of `plan` (pool pass / decode) or of plan_w (write pass)
+  int32_t* status;      // checked mode: OR of StatusBit, else nullptr
+};
+
+template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
+struct Kernels {
+  using W = Window<kRatio, kHeadDim>;
+  static constexpr int C = W::kLaneChannels;
+  static constexpr int kUnitsPerBlock = W::kWarpsPerUnit == 1 ? 4 : 1;
+  static constexpr int kThreads = kUnitsPerBlock * W::kWarpsPerUnit * kWarpSize;
+
+  /// Per-thread coordinates: which unit, which slots, which channels.
+  struct Lane {
+    uint32_t row;
+    int warp_in_unit;
+    int channel;  // first of this lane's C channels
+
+    DSV4_DEV static Lane of(int units_per_block, int warps_per_unit) {
+      const int warp = threadIdx.x / kWarpSize;
+      const uint64_t unit = uint64_t{blockIdx.x} * units_per_block + warp / warps_per_unit;
+      const int slice = static_cast<int>(unit % W::kSlices);
+      return {static_cast<uint32_t>(unit / W::kSlices), warp % warps_per_unit,
+              slice * W::kUnitChannels + static_cast<int>(threadIdx.x % kWarpSize) * C};
+    }
+  };
+
+  static DSV4_DEV void report(const Params& p, int32_t bit) {
+    if (p.status != nullptr) atomicOr(p.status, bit);
+  }
+
+  /// kv and score of slot s from a token row (ragged input in InT, or the state in BufferT,
+  /// converted to InT first as the reference does), plus the slot's ape bias.
+  template <typename RowT>
+  static DSV4_DEV void load_slot(const RowT* row, const InT* ape, int s, int channel, float (&kv)[C], float (&z)[C]) {
+    const Vec<RowT, C> k = load_vec<C>(row + W::kv_col(s) + channel);
+    const Vec<RowT, C> sc = load_vec<C>(row + W::score_col(s) + channel);
+    const Vec<InT, C> bias = load_vec<C>(ape + s * kHeadDim + channel);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      kv[c] = to_f32(convert<InT>(k[c]));
+      z[c] = to_f32(convert<InT>(sc[c])) + to_f32(bias[c]);
+    }
+  }
+
+  static DSV4_DEV void mask_slot(float (&kv)[C], float (&z)[C]) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) kv[c] = 0.0f, z[c] = -INFINITY;
+  }
+
+  /// Pools the unit's window into this unit's output channels (merging warps through shared memory).
+  static DSV4_DEV void finish(const Params& p, const Lane& lane, uint32_t out_row, const SoftmaxPartial<C>& part) {
+    SoftmaxPartial<C> total = part;
+    if constexpr (W::kWarpsPerUnit > 1) {
+      __shared__ SoftmaxPartial<C> parts[W::kWarpsPerUnit][kWarpSize];
+      const int lane_id = threadIdx.x % kWarpSize;
+      parts[lane.warp_in_unit][lane_id] = part;
+      __syncthreads();
+      if (lane.warp_in_unit != 0) return;
+#pragma unroll
+      for (int w = 1; w < W::kWarpsPerUnit; ++w) merge_into(total, parts[w][lane_id]);
+    }
+    Vec<OutT, C> out;
+#pragma unroll
+    for (int c = 0; c < C; ++c) out[c] = from_f32<OutT>(pooled_value(total, c));
+    store_vec(static_cast<OutT*>(p.out) + uint64_t{out_row} * kHeadDim + lane.channel, out);
+  }
+
+  /// Prefill pool pass: one unit per (plan_c row, slice); invalid rows leave their output untouched.
+  static DSV4_DEV void prefill_pool(const Params& p) {
+    const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
+    pdl_wait_upstream<kPDL>();  // the plan may come from the planner launched just before
+    if (lane.row >= p.num_rows) return;
+    const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
+    if (plan.is_invalid()) return;
+    const int64_t first_ragged = int64_t{plan.ragged_id} - (W::kSlots - 1);
+    const bool pages_ok = plan.buffer_len == 0 || ((!W::kOverlap || (plan.read_page_0 >= 0 &&
+                          plan.read_page_0 < p.num_pages)) && plan.read_page_1 >= 0 && plan.read_page_1 < p.num_pages);
+    const bool ragged_ok = first_ragged + plan.buffer_len >= 0 && plan.ragged_id < p.num_input_rows;
+    if (!pages_ok || !ragged_ok) {
+      if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange);
+      return;
+    }
+    const auto* input = static_cast<const InT*>(p.input);
+    const auto* state = static_cast<const BufferT*>(p.state);
+    const auto* ape = static_cast<const InT*>(p.ape);
+    float kv[W::kSlotsPerWarp][C], z[W::kSlotsPerWarp][C];
+#pragma unroll
+    for (int i = 0; i < W::kSlotsPerWarp; ++i) {
+      const int s = lane.warp_in_unit * W::kSlotsPerWarp + i;
+      if (W::masked(s, plan.seq_len)) {
+        mask_slot(kv[i], z[i]);  // never loaded: its rows may not exist
+      } else if (s < plan.buffer_len) {
+        const int64_t row = W::state_row(s, plan.read_page_0, plan.read_page_1);
+        load_slot(state + row * W::kRowWidth, ape, s, lane.channel, kv[i], z[i]);
+      } else {
+        load_slot(input + (first_ragged + s) * W::kRowWidth, ape, s, lane.channel, kv[i], z[i]);
+      }
+    }
+    pdl_launch_dependents<kPDL>();
+    finish(p, lane, lane.row, pool_slots(kv, z));
+  }
+
+  /// Prefill write pass: copy each plan_w row's input token into its state row (cast to BufferT).
+  static DSV4_DEV void prefill_write(const Params& p) {
+    const Lane lane = Lane::of(4, 1);  // one warp per (row, slice) here
+    pdl_wait_upstream<kPDL>();  // the pool pass must have read the ring first
+    if (lane.row >= p.num_rows) return;
+    const WritePlan w = p.plan_w[lane.row];
+    if (w.is_invalid()) return;
+    if (w.ragged_id >= p.num_input_rows || w.write_loc < 0 || w.write_loc >= p.num_pages * kRatio) {
+      if (lane.channel == 0) report(p, w.ragged_id >= p.num_input_rows ? kRaggedRowOutOfRange : kWriteLocOutOfRange);
+      return;
+    }
+    store_token(p, static_cast<const InT*>(p.input) + int64_t{w.ragged_id} * W::kRowWidth, w.write_loc, lane.channel);
+    pdl_launch_dependents<kPDL>();
+  }
+
+  /// Stores this lane's channels of every column group of a token row into state row `row`.
+  static DSV4_DEV void store_token(const Params& p, const InT* src, int64_t row, int channel) {
+    Vec<InT, C> v[W::kGroups];
+#pragma unroll
+    for (int g = 0; g < W::kGroups; ++g) v[g] = load_vec<C>(src + g * kHeadDim + channel);
+    BufferT* dst = static_cast<BufferT*>(p.state) + row * W::kRowWidth + channel;
+#pragma unroll
+    for (int g = 0; g < W::kGroups; ++g) store_vec(dst + g * kHeadDim, convert_vec<BufferT>(v[g]));
+  }
+
+  /// Decode: write the current token; at a boundary pool the whole window from the ring (the
+  /// last slot straight from registers: same values the ring now holds); else zero the output.
+  static DSV4_DEV void decode(const Params& p) {
+    const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
+    pdl_wait_upstream<kPDL>();
+    if (lane.row >= p.num_rows) return;
+    const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
+    const int64_t num_state_rows = p.num_pages * kRatio;
+    if (plan.write_loc < 0 || plan.write_loc >= num_state_rows) {
+      if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, kWriteLocOutOfRange);
+      return;
+    }
+    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : plan.write_loc % kRatio == kRatio - 1;
+    const bool pages_ok = (!W::kOverlap || (plan.read_page_0 >= 0 && plan.read_page_0 < p.num_pages)) &&
+                          plan.read_page_1 >= 0 && plan.read_page_1 < p.num_pages;
+    const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
+    const auto* state = static_cast<const BufferT*>(p.state);
+    const auto* ape = static_cast<const InT*>(p.ape);
+    const InT* token = static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth;
+    float kv[W::kSlotsPerWarp][C], z[W::kSlotsPerWarp][C];
+    if (boundary && pages_ok) {
+#pragma unroll
+      for (int i = 0; i < W::kSlotsPerWarp - 1; ++i) {  // slot Wn-1 (the current token) comes below
+        const int s = lane.warp_in_unit * W::kSlotsPerWarp + i;
+        if (W::masked(s, plan.seq_len)) {
+          mask_slot(kv[i], z[i]);
+        } else {
+          const int64_t row = W::state_row(s, plan.read_page_0, plan.read_page_1);
+          load_slot(state + row * W::kRowWidth, ape, s, lane.channel, kv[i], z[i]);
+        }
+      }
+    }
+    if (last_warp) {
+      store_token(p, token, plan.write_loc, lane.channel);
+      if (boundary && pages_ok) {  // through BufferT, exactly as a read-back of the ring would be
+        const int s = W::kSlots - 1;
+        const Vec<InT, C> k = load_vec<C>(token + W::kv_col(s) + lane.channel);
+        const Vec<InT, C> sc = load_vec<C>(token + W::score_col(s) + lane.channel);
+        const Vec<InT, C> bias = load_vec<C>(ape + s * kHeadDim + lane.channel);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          kv[W::kSlotsPerWarp - 1][c] = to_f32(convert<InT>(convert<BufferT>(k[c])));
+          z[W::kSlotsPerWarp - 1][c] = to_f32(convert<InT>(convert<BufferT>(sc[c]))) + to_f32(bias[c]);
+        }
+      }
+    } else if (boundary && pages_ok) {
+      const int s = lane.warp_in_unit * W::kSlotsPerWarp + W::kSlotsPerWarp - 1;
+      load_slot(state + W::state_row(s, plan.read_page_0, plan.read_page_1) * W::kRowWidth, ape, s, lane.channel,
+                kv[W::kSlotsPerWarp - 1], z[W::kSlotsPerWarp - 1]);
+    }
+    pdl_launch_dependents<kPDL>();
+    if (!boundary || !pages_ok) {
+      if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
+      if (lane.warp_in_unit == 0) {  // non-boundary rows are zero-filled, never left uninitialised
+        Vec<OutT, C> zero;
+#pragma unroll
+        for (int c = 0; c < C; ++c) zero[c] = from_f32<OutT>(0.0f);
+        store_vec(static_cast<OutT*>(p.out) + uint64_t{lane.row} * kHeadDim + lane.channel, zero);
+      }
+      return;
+    }
+    finish(p, lane, lane.row, pool_slots(kv, z));
+  }
+};
+
+template <typename K>
+__global__ __launch_bounds__(K::kThreads) void prefill_pool_kernel(const __grid_constant__ Params p) {
+  K::prefill_pool(p);
+}
+
+template <typename K>
+__global__ __launch_bounds__(4 * kWarpSize) void prefill_write_kernel(const __grid_constant__ Params p) {
+  K::prefill_write(p);
+}
+
+template <typename K>
+__global__ __launch_bounds__(K::kThreads) void decode_kernel(const __grid_constant__ Params p) {
+  K::decode(p);
+}
+
+/// Host entry points of one instantiation (checks every tensor before any launch).
+template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
+struct Compress {
+  using K = Kernels<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>;
+  using W = typename K::W;
+
+  struct Checked {
+    Params p{};
+    Device dev;
+  };
+
+  static Checked common(const char* op, const TensorView& state, const TensorView& input, const TensorView& ape,
+                        const TensorView& out, const Optional<TensorView>& status, Size& input_rows, Size& out_rows) {
+    Checked c;
+    Size pages{"num_pages"};
+    Check(op, "kv_score_buffer", state).shape({pages, kRatio, W::kRowWidth}).dtype(DTypeInfo<BufferT>::dtype)
+        .cuda(c.dev).contiguous().aligned();
+    Check(op, "kv_score_input", input).shape({input_rows, W::kRowWidth}).dtype(DTypeInfo<InT>::dtype).cuda(c.dev)
+        .contiguous().aligned();
+    Check(op, "ape", ape).shape({W::kSlots, kHeadDim}).dtype(DTypeInfo<InT>::dtype).cuda(c.dev).contiguous().aligned();
+    Check(op, "out", out).shape({out_rows, kHeadDim}).dtype(DTypeInfo<OutT>::dtype).cuda(c.dev).contiguous().aligned();
+    if (status.has_value()) Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(c.dev);
+    c.p.state = state.data_ptr();
+    c.p.input = input.data_ptr();
+    c.p.ape = ape.data_ptr();
+    c.p.out = out.data_ptr();
+    c.p.num_pages = pages.value;
+    c.p.num_input_rows = input_rows.value;
+    c.p.status = status.has_value() ? static_cast<int32_t*>(status.value().data_ptr()) : nullptr;
+    return c;
+  }
+
+  static unsigned blocks(uint64_t rows, int units_per_block) { return div_ceil(rows * W::kSlices, units_per_block); }
+
+  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
+                      TensorView plan_w, TensorView out, Optional<TensorView> status) {
+    const char* op = "compress_forward";
+    Size input_rows{"num_q_tokens"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+    Checked c = common(op, kv_score_buffer, kv_score_input, ape, out, status, input_rows, rows_c);
+    Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(c.dev)
+        .contiguous().aligned();
+    Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(WritePlan)}}).dtype(dl::kU8).cuda(c.dev)
+        .contiguous().aligned(8);
+    expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
+           rows_w.value);
+    Params p = c.p;
+    p.plan = plan_c.data_ptr();
+    p.plan_w = static_cast<const WritePlan*>(plan_w.data_ptr());
+    p.num_rows = static_cast<uint32_t>(rows_c.value);
+    launch(op, c.dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
+    p.num_rows = static_cast<uint32_t>(rows_w.value);
+    launch(op, c.dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
+  }
+
+  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
+                     TensorView out, Optional<TensorView> status) {
+    const char* op = "compress_forward";
+    Size batch{"batch_size"};
+    Checked c = common(op, kv_score_buffer, kv_score_input, ape, out, status, batch, batch);
+    Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(c.dev)
+        .contiguous().aligned();
+    Params p = c.p;
+    p.plan = plan_d.data_ptr();
+    p.num_rows = static_cast<uint32_t>(batch.value);
+    launch(op, c.dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
+  }
+};
+
+}  // namespace dsv4::compress
