@@ -276,6 +276,16 @@ def test_clean_stale_removes_old_stages_only(run, warm_cache, monkeypatch):
     assert warm_cache.entry.exists()
 
 
+def test_clean_stale_removes_superseded_keys(run, warm_cache, monkeypatch):
+    """An entry built with other flags is no longer the variant's current key: stale."""
+    code, payload = run_json(run, "clean", "--stale", "--dry-run")
+    assert code == 0 and payload["removed"] == []
+    monkeypatch.setenv("DSV4JIT_EXTRA_CUDA_FLAGS", "-DSOMETHING_NEW=1")
+    code, payload = run_json(run, "clean", "--stale")
+    assert code == 0 and payload["removed"] == [str(warm_cache.entry)]
+    assert not warm_cache.entry.exists()
+
+
 # --------------------------------------------------------------------------------------------
 # info
 

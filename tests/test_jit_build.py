@@ -369,3 +369,12 @@ def test_manifest_describes_the_entry(warm_cache, selftest, arch):
     log = (entry / "build.log").read_text()
     assert "-gencode=arch=compute_90a,code=sm_90a" in log.splitlines()[0]
     assert not (entry / "owner.json").exists() and not (entry / "deps.d").exists()
+
+
+def test_lock_file_survives_the_build(warm_cache, prebuilt, fake_nvcc, monkeypatch, selftest, arch):
+    """Waiters must share one inode: the lock file is never deleted (ESTALE on shared filesystems)."""
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    monkeypatch.setenv("DSV4JIT_FORCE_REBUILD", "1")
+    loader.load(selftest, arch)
+    locks = list(warm_cache.entry.parent.glob("*.lock"))
+    assert locks and all((lock.parent / lock.name[: -len(".lock")] / "manifest.json").is_file() for lock in locks)

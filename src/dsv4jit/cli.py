@@ -222,9 +222,11 @@ def cmd_clean(args) -> int:
     doomed: list[Path] = []
     if args.all or args.stale:  # old schemas, abandoned stages, swapped-out entries, failed-build logs
         doomed += [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
-        doomed += [p for p in base.glob("*/*/.stage-*") if args.all or now - p.stat().st_mtime > env.build_timeout()]
+        doomed += [p for p in base.glob("*/*/.stage-*") if now - p.stat().st_mtime > env.build_timeout()]
         doomed += list(base.glob("*/*/.old-*"))
         doomed += [root / "failed"] if (root / "failed").is_dir() else []
+    if args.stale:
+        doomed += _superseded(root)
     max_age = _parse_age(args.older_than) if args.older_than else None
     archs = {a.name for a in _archs(args.arch)} if args.arch else set()
     for entry, m in cache.iter_entries(root):
@@ -245,15 +247,37 @@ def cmd_clean(args) -> int:
     return EXIT_OK
 
 
-def _remove_entry(path: Path) -> None:
-    """Delete an entry under its key lock, so a concurrent builder of that key is not disturbed."""
-    lock = path.parent / f"{path.name}.lock"
-    if lock.exists():
-        import filelock
+def _superseded(root: Path) -> list[Path]:
+    """Entries of registry variants whose key is no longer the current one (old headers or flags)."""
+    from .jit import cache, loader
+    from .jit.kernels import SPECS
+    from .jit.registry import parse_variant_id
+    from .jit.toolchain import Arch
 
-        with filelock.FileLock(str(lock)):
-            shutil.rmtree(path, ignore_errors=True)
-    else:
+    old = []
+    for entry, m in cache.iter_entries(root):
+        try:
+            variant = parse_variant_id(m["variant"], SPECS)
+        except (KeyError, ValueError):
+            continue  # orphans have their own option
+        res = loader.resolve(variant, Arch(m["arch"]))
+        if res.info is not None and res.info.key != m.get("key"):
+            old.append(entry)
+    return old
+
+
+def _remove_entry(path: Path) -> None:
+    """Delete an entry under its key lock (where builders take it), so a concurrent builder of that
+    key is not disturbed."""
+    import filelock
+
+    from .jit.build import lock_file
+
+    lock = lock_file(env.cache_dir(), path)
+    if not lock.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with filelock.FileLock(str(lock), timeout=env.lock_timeout()):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -380,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--all", action="store_true")
     pk.add_argument("--arch")
     pk.add_argument("--kernel", action="append")
-    pk.add_argument("--stale", action="store_true", help="old schemas, abandoned stages, failed-build logs")
+    pk.add_argument("--stale", action="store_true",
+                    help="superseded keys, old schemas, abandoned stages, failed-build logs")
     pk.add_argument("--older-than", help="entries built before this age, e.g. 30d")
     pk.add_argument("--orphans", action="store_true", help="entries of variants the registry no longer has")
     pk.add_argument("--dry-run", action="store_true")

@@ -1,6 +1,8 @@
 """Every ``DSV4JIT_*`` environment variable, read in one place (documented in docs/jit.md).
 
-Values are read on each call, not at import, so tests and long-running processes see changes.
+Values are read when used, not at import. Results derived from them are memoised per process
+where a hot path needs it: the toolchain, device arches, loaded modules, and DSV4JIT_CHECK (see
+``dsv4jit.set_checks`` to change checked mode at run time).
 """
 
 from __future__ import annotations

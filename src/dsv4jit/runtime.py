@@ -27,8 +27,12 @@ def checks_enabled() -> bool:
     return _checks[0]
 
 
-def _arch(device: torch.device) -> Arch:
-    return Arch.host() if device.type == "cpu" else loader.arch_for(device)
+def _arch(spec, device: torch.device) -> Arch:
+    if spec.target == "host":
+        return Arch.host()
+    if device.type != "cuda":
+        raise TypeError(f"dsv4jit: kernel {spec.name!r} runs on CUDA tensors, got device {device}")
+    return loader.arch_for(device)
 
 
 def function(kernel: str, name: str, device: torch.device, **params):
@@ -37,9 +41,9 @@ def function(kernel: str, name: str, device: torch.device, **params):
     fn = _FUNCTIONS.get(key)
     if fn is None:
         spec = SPECS[kernel]
-        arch = _arch(device)
-        if "pdl" in {p.name for p in spec.params} and "pdl" not in params:
-            params = dict(params, pdl=arch.major >= 9 and not env.disable_pdl())
+        arch = _arch(spec, device)
+        if "pdl" in {p.name for p in spec.params}:  # DSV4JIT_DISABLE_PDL wins over callers (debugging)
+            params = dict(params, pdl=params.get("pdl", arch.major >= 9) and not env.disable_pdl())
         module = loader.load(spec.variant(**params), arch)
         fn = _FUNCTIONS[key] = getattr(module, name)
     return fn

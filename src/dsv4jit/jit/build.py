@@ -17,6 +17,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -80,11 +81,11 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
 # Locking
 
 
-def _lock_path(root: Path, arch: Arch, variant: Variant, key: str) -> Path:
-    base = env.lock_dir() / f"v{cache.SCHEMA}" / arch.name / variant.spec.name if env.lock_dir() else \
-        cache.kernel_dir(root, arch, variant)
+def lock_file(root: Path, entry: Path) -> Path:
+    """The per-key lock: next to the entry, or under DSV4JIT_LOCK_DIR with the same relative layout."""
+    base = env.lock_dir() / entry.parent.relative_to(root) if env.lock_dir() else entry.parent
     base.mkdir(parents=True, exist_ok=True)
-    return base / f"{variant.slug}-{key}.lock"
+    return base / f"{entry.name}.lock"
 
 
 class KeyLock:
@@ -143,10 +144,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead_stages(folder: Path, slug: str) -> None:
-    """Stages of this slug left by builders that died (same host, pid gone)."""
+def _remove_dead_stages(folder: Path, slug_key: str) -> None:
+    """Stages of this key left by builders that died. We hold the key's lock, so a stage of this
+    key is live only if its builder runs on another host (flock can be node-local on NFS)."""
     host = socket.gethostname()
-    for stage in folder.glob(f".stage-{slug}-*"):
+    for stage in folder.glob(f".stage-{slug_key}-*"):
         try:
             owner = json.loads((stage / "owner.json").read_text())
         except (OSError, ValueError):
@@ -224,14 +226,14 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
     entry = cache.entry_dir(root, arch, variant, info.key)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        lock = KeyLock(_lock_path(root, arch, variant, info.key), variant)
+        lock = KeyLock(lock_file(root, entry), variant)
     except OSError as e:
         raise _cache_error(e, folder) from e
     with lock:
-        if lock.waited > 0.5 and (entry / "manifest.json").is_file() and not env.force_rebuild():
+        if (entry / "manifest.json").is_file() and not env.force_rebuild():  # published while we waited
             log.info("dsv4jit: %s for %s was built by another process (waited %.1fs)", variant.id, arch, lock.waited)
             return load_module(entry / "module.so"), entry
-        _remove_dead_stages(folder, variant.slug)
+        _remove_dead_stages(folder, f"{variant.slug}-{info.key}")
         stage = folder / f".stage-{variant.slug}-{info.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             stage.mkdir()
@@ -255,15 +257,19 @@ def _compile_and_check(variant, arch, info, command, stage, root, load_module):
     log.debug("dsv4jit: key document for %s: %s", variant.id, json.dumps(info.document, indent=1))
     log.debug("dsv4jit: command: %s", shlex.join(command.argv))
     try:
-        res = subprocess.run(command.argv, cwd=stage, capture_output=not env.verbose_build(), text=True,
-                             timeout=env.build_timeout())
+        res = subprocess.run(command.argv, cwd=stage, capture_output=True, text=True, timeout=env.build_timeout())
         output, code = (res.stdout or "") + (res.stderr or ""), res.returncode
+        if env.verbose_build():
+            sys.stderr.write(output)
     except subprocess.TimeoutExpired as e:
         output = (e.stdout or "") if isinstance(e.stdout, str) else ""
         output += f"\ntimed out after {env.build_timeout():.0f}s (DSV4JIT_BUILD_TIMEOUT)"
         code = -1
     seconds = time.monotonic() - start
-    (stage / "build.log").write_text(shlex.join(command.argv) + "\n\n" + output)
+    try:
+        (stage / "build.log").write_text(shlex.join(command.argv) + "\n\n" + output)
+    except OSError as e:
+        raise _cache_error(e, stage.parent) from e
     if code != 0:
         _fail(variant, arch, info, stage, root, command, _first_error(output, code))
     _check_depfile(variant, stage, info.document["headers"])
