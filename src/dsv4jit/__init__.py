@@ -14,6 +14,7 @@ _EXPORTS = {
     "CompressorPrefillPlan": "dsv4jit.plan",
     "CompressorDecodePlan": "dsv4jit.plan",
     "compress_forward": "dsv4jit.ops",
+    "compress_norm_rope_store": "dsv4jit.ops",
     "set_checks": "dsv4jit.runtime",
 }
 

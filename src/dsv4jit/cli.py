@@ -49,7 +49,7 @@ def _archs(text: str | None) -> list:
         raise UsageError(str(e)) from None
 
 
-def _variants(kernels: list[str] | None, sets: list[str] | None) -> list:
+def _variants(kernels: list[str] | None, sets: list[str] | None, filters: list[str] | None = None) -> list:
     from .jit.kernels import SPECS
     from .jit.registry import parse_variant_id, unique
 
@@ -68,6 +68,14 @@ def _variants(kernels: list[str] | None, sets: list[str] | None) -> list:
                 out.append(parse_variant_id(s, SPECS))
             except ValueError as e:
                 raise UsageError(str(e)) from None
+    for f in filters or []:  # --param name=value keeps variants whose spec has no such param or matches it
+        name, eq, value = f.partition("=")
+        if not eq:
+            raise UsageError(f"--param must look like name=value, got {f!r}")
+        try:
+            out = [v for v in out if name not in v.spec._by_name or v.params[name] == v.spec._by_name[name].canonical(value)]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return unique(out)
 
 
@@ -75,7 +83,7 @@ def _targets(args) -> list[tuple]:
     """(variant, arch) pairs; host-only kernels build once for the host target."""
     from .jit.toolchain import Arch
 
-    variants = _variants(args.kernel, args.set)
+    variants = _variants(args.kernel, args.set, args.param)
     needs_gpu_arch = any(v.spec.target == "cuda" for v in variants)
     archs = _archs(args.arch) if needs_gpu_arch else []
     pairs = []
@@ -384,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--arch", help="targets, e.g. 9.0a or 9.0a,10.0a, or 'auto' (visible GPUs)")
         sp.add_argument("--kernel", action="append", help="restrict to a kernel (repeatable)")
         sp.add_argument("--set", action="append", help="'default' (serving set), 'all', or a variant id (repeatable)")
+        sp.add_argument("--param", action="append", metavar="NAME=VALUE",
+                        help="keep variants with this parameter value, e.g. head_dim=512 (repeatable)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
     pc = sub.add_parser("precompile", help="build variants into the cache")

@@ -58,4 +58,16 @@ def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, .
 COMPRESS_C4 = _compress(4, (128, 256, 512), (512, 128))
 COMPRESS_C128 = _compress(128, (64, 128, 256, 512), (512,))
 
-SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128)}
+STORE_FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
+STORE = KernelSpec(
+    name="store",
+    header="store.cuh",
+    params=(Param("dtype", "dtype", ("fp32", "bf16")),
+            Param("format", "enum", STORE_FORMATS, tuple(f"dsv4::store::Format::k{n}" for n in
+                                                         ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4"))), PDL),
+    exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run"},
+    serving=tuple({"dtype": "fp32", "format": f, "pdl": True} for f in STORE_FORMATS),
+    doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
+)
+
+SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE)}

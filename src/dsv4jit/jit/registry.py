@@ -21,12 +21,15 @@ class Param:
     """One template parameter: its name, kind (dtype, int, bool) and allowed values."""
 
     name: str
-    kind: str
+    kind: str  # "dtype", "int", "bool", or "enum" (choices are names, cpp_names their C++ spelling)
     choices: tuple
+    cpp_names: tuple = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dtype", "int", "bool"):
+        if self.kind not in ("dtype", "int", "bool", "enum"):
             raise ValueError(f"param {self.name}: unknown kind {self.kind!r}")
+        if (self.kind == "enum") != bool(self.cpp_names) or len(self.cpp_names) not in (0, len(self.choices)):
+            raise ValueError(f"param {self.name}: enum params need one C++ name per choice")
 
     def canonical(self, value: Any) -> Any:
         if self.kind == "bool":
@@ -52,6 +55,8 @@ class Param:
         """Value as a C++ template argument."""
         if self.kind == "dtype":
             return DTYPE_CPP[value]
+        if self.kind == "enum":
+            return self.cpp_names[self.choices.index(value)]
         if self.kind == "bool":
             return "true" if value else "false"
         return str(value)

@@ -1,0 +1,93 @@
+"""compress_norm_rope_store throughput: µs, bytes moved, GB/s, % of copy bandwidth.
+
+    python -m dsv4jit.bench.store [--json]
+
+Bytes: each compressed row read once (plus its plan row, out_loc entry and rope-table row), each
+stored token's cache bytes written once, the norm weight once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from .. import plan_layout
+from ..ops import compress_norm_rope_store
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan
+from ..reference.store import page_bytes
+from . import timing
+
+_TOKEN_BYTES = {"v4_fp8": 576 + 7, "indexer_fp8": 132, "indexer_fp4": 68}
+
+
+class Case:
+    def __init__(self, fmt: str, rows: int, decode: bool, page_size: int = 64, ratio: int = 4):
+        dev = torch.device("cuda")
+        self.name = f"{'decode' if decode else 'prefill'} {fmt} N={rows}"
+        hd = 512 if fmt.startswith("v4") else 128
+        self.kv = torch.randn(rows, hd, device=dev)
+        self.weight = torch.rand(hd, device=dev) + 0.5
+        max_pos = 1 << 16
+        angles = torch.rand(max_pos, 32, device=dev) * 6.28
+        self.freq = torch.polar(torch.ones_like(angles), angles)
+        seq_len = (torch.randint(1, max_pos // ratio, (rows,)) * ratio).to(torch.int64)
+        pages = (rows + page_size - 1) // page_size + 1
+        self.kvcache = torch.zeros(pages, page_bytes(fmt, page_size), dtype=torch.uint8, device=dev)
+        locs = torch.randperm(pages * page_size)[:rows]
+        if decode:
+            zeros = torch.zeros(rows, dtype=torch.int64)
+            self.plan = CompressorDecodePlan(ratio, plan_layout.encode_decode_plan(seq_len, zeros, zeros, zeros).to(dev))
+            self.out_loc = locs.to(dev)
+        else:  # one event per ratio tokens: ragged ids spread over a step of rows * ratio tokens
+            ragged = torch.arange(rows, dtype=torch.int64) * ratio + ratio - 1
+            zeros = torch.zeros(rows, dtype=torch.int64)
+            plan_c = plan_layout.encode_compress_plan(seq_len, ragged, zeros, zeros - 1, zeros).to(dev)
+            self.plan = CompressorPrefillPlan(ratio, plan_c, torch.empty(0, 8, dtype=torch.uint8, device=dev), None,
+                                              rows * ratio)
+            self.out_loc = torch.zeros(rows * ratio, dtype=torch.int64)
+            self.out_loc[ragged] = locs
+            self.out_loc = self.out_loc.to(dev)
+        self.fmt, self.page_size, self.use_fp4 = fmt, page_size, fmt == "indexer_fp4"
+        self.bytes = rows * (hd * 4 + _TOKEN_BYTES[fmt] + 16 + 8 + 64 * 4) + hd * 4
+
+    def __call__(self):
+        compress_norm_rope_store(self.kv, self.plan, norm_weight=self.weight, norm_eps=1e-6, freq_cis=self.freq,
+                                 out_loc=self.out_loc, kvcache=self.kvcache, page_size=self.page_size,
+                                 use_fp4=self.use_fp4)
+
+
+def run() -> dict:
+    copy_gbs = timing.copy_bandwidth_gbs()
+    empty = timing.graph_us(timing.empty_kernel())
+    rows = []
+    for fmt in ("v4_fp8", "indexer_fp8", "indexer_fp4"):
+        for decode in (False, True):
+            for n in (16, 256, 2048, 16384):
+                case = Case(fmt, n, decode)
+                eager, graph = timing.event_us(case), timing.graph_us(case)
+                gbs = case.bytes / (min(eager, graph) * 1e-6) / 1e9
+                rows.append({"case": case.name, "bytes": case.bytes, "eager_us": eager, "graph_us": graph,
+                             "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs, "over_empty_us": graph - empty})
+    return {"copy_gbs": copy_gbs, "empty_kernel_graph_us": empty, "rows": rows}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    res = run()
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return
+    print(f"device copy bandwidth {res['copy_gbs']:.0f} GB/s; empty kernel (graph replay) "
+          f"{res['empty_kernel_graph_us']:.2f} µs")
+    print(f"{'case':34s} {'MB':>8s} {'eager µs':>9s} {'graph µs':>9s} {'-empty':>7s} {'GB/s':>7s} {'% copy':>7s}")
+    for r in res["rows"]:
+        print(f"{r['case']:34s} {r['bytes'] / 1e6:8.3f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} "
+              f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

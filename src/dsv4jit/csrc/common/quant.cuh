@@ -1,0 +1,31 @@
+// Quantization codecs of the compressed KV cache (SPEC §F.5): UE8M0 power-of-two scales rounded
+// up, e4m3 with round-to-nearest-even, and the e2m1 (fp4) threshold code.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "types.cuh"
+
+namespace dsv4 {
+
+/// Biased UE8M0 exponent of a positive scale, rounded up to a power of two: 2^(e-127) >= scale.
+DSV4_DEV int ue8m0_ceil(float scale) {
+  const uint32_t bits = __float_as_uint(scale);
+  return static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0);
+}
+
+/// 2^k as an fp32 (normal range), so that scaling by it is exact.
+DSV4_DEV float exp2_int(int k) { return __uint_as_float(static_cast<uint32_t>(k + 127) << 23); }
+
+/// e4m3 code of x (round to nearest even); callers clamp to ±448 first.
+DSV4_DEV uint8_t e4m3_code(float x) { return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); }
+
+/// e2m1 code by thresholds: magnitude index = #{t : |u| > t} (ties round toward the smaller
+/// magnitude), sign bit only for a nonzero magnitude (no -0).
+DSV4_DEV uint32_t fp4_code(float u) {
+  const float a = fminf(fabsf(u), 6.0f);
+  const uint32_t idx = (a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) + (a > 5.0f);
+  return (u < 0.0f && idx != 0) ? (idx | 8u) : idx;
+}
+
+}  // namespace dsv4

@@ -1,0 +1,323 @@
+// compress_norm_rope_store (SPEC §F): RMSNorm -> RoPE on the trailing 64 dims (interleaved pairs,
+// position seq_len - R) -> 128-point Hadamard (indexer) -> quantize -> paged cache store.
+//
+// One warp per compressed row. Lane l holds, in chunk k, the 4 channels 128k + 4l .. 128k + 4l + 3,
+// so every global access is a coalesced 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles
+// of the V4 layout are half-warps, the fp4 32-dim groups are 8 lanes, and the rope dims are the
+// upper half-warp of the last chunk.
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include "common/launch.cuh"
+#include "common/pdl.cuh"
+#include "common/plan_structs.h"
+#include "common/quant.cuh"
+#include "common/tensor_check.h"
+#include "common/types.cuh"
+#include "common/vec.cuh"
+#include "common/warp.cuh"
+
+namespace dsv4::store {
+
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+
+enum class Format : int { kV4Fp8 = 0, kV4Bf16 = 1, kIndexerFp8 = 2, kIndexerFp4 = 3 };
+
+enum StatusBit : int32_t {
+  kLocOutOfRange = 1,       // out_loc entry outside the cache
+  kPositionOutOfRange = 2,  // seq_len - R outside the freq table
+  kRaggedOutOfRange = 4,    // prefill ragged id beyond out_loc
+};
+
+inline constexpr int kRopeDim = 64;
+
+/// Byte layout of one format: page size in bytes and where a token's data and scales go.
+template <Format F>
+struct Layout {
+  static constexpr bool kIndexer = F == Format::kIndexerFp8 || F == Format::kIndexerFp4;
+  static constexpr int kHeadDim = kIndexer ? 128 : 512;
+  static constexpr int kChunks = kHeadDim / 128;
+  // bytes per token of the data rows (the region before the scale rows of a page)
+  static constexpr int kDataBytes = F == Format::kV4Fp8 ? 576 : F == Format::kV4Bf16 ? 1024
+                                    : F == Format::kIndexerFp8 ? 128 : 64;
+  static constexpr int kScaleBytes = F == Format::kV4Fp8 ? 8 : F == Format::kV4Bf16 ? 0 : 4;
+
+  static int64_t page_bytes(int64_t page_size) {
+    const int64_t raw = (kDataBytes + kScaleBytes) * page_size;
+    return F == Format::kV4Fp8 ? (raw + 575) / 576 * 576 : raw;  // V4 pages are padded to 576 B
+  }
+};
+
+struct Params {
+  const void* kv;           // [rows, hd] DType
+  const void* plan;         // CompressPlan (prefill) or DecodePlan rows
+  const void* norm_weight;  // [hd] DType
+  const float* freq;        // [max_pos, 64]: (cos, sin) interleaved per pair
+  const void* out_loc;      // int32 or int64
+  uint8_t* cache;           // [num_pages, page_bytes]
+  int32_t* status;
+  int64_t page_bytes;
+  int64_t num_locs;         // pages * page_size
+  int64_t out_loc_len;
+  int64_t max_pos;
+  uint32_t rows;
+  int32_t log2_page_size;
+  int32_t ratio;
+  float eps;
+  bool loc64;
+  bool is_decode;
+};
+
+template <typename DType, Format F, bool kPDL>
+struct Kernel {
+  using L = Layout<F>;
+  static constexpr int kWarps = 4;
+  static constexpr int C = L::kChunks;
+
+  static DSV4_DEV void report(const Params& p, int32_t bit) {
+    if (p.status != nullptr && threadIdx.x % kWarpSize == 0) atomicOr(p.status, bit);
+  }
+
+  /// Which rows are stored, where, and at which rope position; false to skip the row.
+  static DSV4_DEV bool locate(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
+    uint32_t seq_len;
+    int64_t loc_index = row;
+    if (p.is_decode) {
+      seq_len = static_cast<const DecodePlan*>(p.plan)[row].seq_len;
+      if (seq_len % p.ratio != 0) return false;  // no compress event this step
+    } else {
+      const CompressPlan c = static_cast<const CompressPlan*>(p.plan)[row];
+      if (c.is_invalid()) return false;
+      seq_len = c.seq_len;
+      loc_index = c.ragged_id;  // out_loc is indexed by ragged token id in prefill
+    }
+    int32_t bad = 0;
+    position = int64_t{seq_len} - p.ratio;
+    if (loc_index >= p.out_loc_len) {
+      bad = kRaggedOutOfRange;
+    } else {
+      loc = p.loc64 ? static_cast<const int64_t*>(p.out_loc)[loc_index]
+                    : static_cast<const int32_t*>(p.out_loc)[loc_index];
+      bad = (loc < 0 || loc >= p.num_locs) ? kLocOutOfRange : (position < 0 || position >= p.max_pos) ? kPositionOutOfRange : 0;
+    }
+    if (bad != 0) report(p, bad);  // the row is skipped: nothing is written out of bounds
+    return bad == 0;
+  }
+
+  static DSV4_DEV void run(const Params& p) {
+    const int lane = threadIdx.x % kWarpSize;
+    const uint32_t row = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
+    pdl_wait_upstream<kPDL>();
+    if (row >= p.rows) return;
+    int64_t loc, position;
+    if (!locate(p, row, loc, position)) return;
+    const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{row} * L::kHeadDim;
+    const DType* w_row = static_cast<const DType*>(p.norm_weight);
+    float x[C][4], w[C][4];
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const Vec<DType, 4> xv = load_vec<4>(x_row + 128 * k + 4 * lane);
+      const Vec<DType, 4> wv = load_vec<4>(w_row + 128 * k + 4 * lane);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[k][c] = to_f32(xv[c]), w[k][c] = to_f32(wv[c]);
+    }
+    const bool rope_lane = lane >= 16;  // upper half-warp of the last chunk holds the trailing 64 dims
+    Vec<float, 4> freq{};
+    if (rope_lane) freq = load_vec<4>(p.freq + position * kRopeDim + 4 * (lane - 16));
+    pdl_launch_dependents<kPDL>();
+
+    // RMSNorm, in the reference's order: y = (x * r) * w, without fused multiply-adds.
+    float sumsq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sumsq = __fmaf_rn(x[k][c], x[k][c], sumsq);
+    }
+    sumsq = warp_sum(sumsq);
+    const float r = 1.0f / sqrtf(__fadd_rn(sumsq / L::kHeadDim, p.eps));
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[k][c] = __fmul_rn(__fmul_rn(x[k][c], r), w[k][c]);
+    }
+    // RoPE on interleaved (re, im) pairs of the trailing 64 dims.
+    if (rope_lane) {
+      float* v = x[C - 1];
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        const float re = v[2 * pair], im = v[2 * pair + 1], cs = freq[2 * pair], sn = freq[2 * pair + 1];
+        v[2 * pair] = __fsub_rn(__fmul_rn(re, cs), __fmul_rn(im, sn));
+        v[2 * pair + 1] = __fadd_rn(__fmul_rn(re, sn), __fmul_rn(im, cs));
+      }
+    }
+    uint8_t* page = p.cache + (loc >> p.log2_page_size) * p.page_bytes;
+    const int64_t slot = loc & ((int64_t{1} << p.log2_page_size) - 1);
+    const int64_t page_size = int64_t{1} << p.log2_page_size;
+    if constexpr (L::kIndexer) {
+      hadamard128(x[0], lane);
+      if constexpr (F == Format::kIndexerFp8) {
+        store_indexer_fp8(x[0], lane, page + slot * 128, page + page_size * 128 + slot * 4);
+      } else {
+        store_indexer_fp4(x[0], lane, page + slot * 64, page + page_size * 64 + slot * 4);
+      }
+    } else if constexpr (F == Format::kV4Fp8) {
+      store_v4_fp8(x, lane, page + slot * 576, page + page_size * 576 + slot * 8);
+    } else {
+      store_bf16(x, lane, page + slot * 1024);
+    }
+  }
+
+  /// Walsh–Hadamard transform over the warp's 128 values (natural order), scaled by 128^-1/2.
+  static DSV4_DEV void hadamard128(float (&v)[4], int lane) {
+    float a = v[0], b = v[1], c = v[2], d = v[3];
+    // distances 1 and 2 are inside the lane
+    float t0 = a + b, t1 = a - b, t2 = c + d, t3 = c - d;
+    a = t0 + t2, b = t1 + t3, c = t0 - t2, d = t1 - t3;
+    float vals[4] = {a, b, c, d};
+#pragma unroll
+    for (int m = 1; m < kWarpSize; m *= 2) {  // distances 4 .. 64 pair lane l with lane l ^ m
+      const bool upper = lane & m;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float other = __shfl_xor_sync(kFullMask, vals[i], m);
+        vals[i] = upper ? other - vals[i] : vals[i] + other;
+      }
+    }
+    constexpr float kScale = 0.08838834764831845f;  // 1 / sqrt(128)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = vals[i] * kScale;
+  }
+
+  static DSV4_DEV float reduce_amax(float a, int lanes) {
+    for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(kFullMask, a, m));
+    return a;
+  }
+
+  /// V4 latent: 448 nope dims as e4m3 with one UE8M0 scale per 64-dim tile (values rounded to
+  /// bf16 first), then 64 rope dims as bf16; 7 scale bytes (byte 7 is padding, never written).
+  static DSV4_DEV void store_v4_fp8(float (&x)[C][4], int lane, uint8_t* data, uint8_t* scales) {
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const bool rope = k == C - 1 && lane >= 16;
+      float q[4], amax = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) q[c] = __bfloat162float(__float2bfloat16_rn(x[k][c])), amax = fmaxf(amax, fabsf(q[c]));
+      amax = reduce_amax(amax, 16);  // half-warp = one 64-dim tile
+      if (rope) {
+        Vec<bf16_t, 4> r;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) r[c] = __float2bfloat16_rn(x[k][c]);
+        store_vec(reinterpret_cast<bf16_t*>(data + 448) + 4 * (lane - 16), r);
+        continue;
+      }
+      const int e = ue8m0_ceil(fmaxf(amax, 1e-4f) / 448.0f);
+      const float inv = exp2_int(127 - e);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) packed |= uint32_t{e4m3_code(fminf(fmaxf(q[c] * inv, -448.0f), 448.0f))} << (8 * c);
+      *reinterpret_cast<uint32_t*>(data + 128 * k + 4 * lane) = packed;
+      if (lane % 16 == 0) scales[2 * k + lane / 16] = static_cast<uint8_t>(e);
+    }
+  }
+
+  static DSV4_DEV void store_bf16(float (&x)[C][4], int lane, uint8_t* row) {
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      Vec<bf16_t, 4> r;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) r[c] = __float2bfloat16_rn(x[k][c]);
+      store_vec(reinterpret_cast<bf16_t*>(row) + 128 * k + 4 * lane, r);
+    }
+  }
+
+  /// Indexer fp8: one fp32 scale (not a power of two) over all 128 values.
+  static DSV4_DEV void store_indexer_fp8(const float (&v)[4], int lane, uint8_t* data, uint8_t* scale) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = reduce_amax(amax, kWarpSize);
+    const float s = fmaxf(amax, 1e-4f) / 448.0f;
+    const float inv = 1.0f / s;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) packed |= uint32_t{e4m3_code(fminf(fmaxf(v[c] * inv, -448.0f), 448.0f))} << (8 * c);
+    *reinterpret_cast<uint32_t*>(data + 4 * lane) = packed;
+    if (lane == 0) *reinterpret_cast<float*>(scale) = s;
+  }
+
+  /// Indexer fp4: e2m1 codes (even dim in the low nibble), one UE8M0 scale per 32-dim group.
+  static DSV4_DEV void store_indexer_fp4(const float (&v)[4], int lane, uint8_t* data, uint8_t* scales) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = reduce_amax(amax, 8);  // 8 lanes = one 32-dim group
+    const int e = ue8m0_ceil(fmaxf(amax, 1e-4f) / 6.0f);
+    const float inv = exp2_int(127 - e);
+    const uint32_t codes = fp4_code(v[0] * inv) | fp4_code(v[1] * inv) << 4 | fp4_code(v[2] * inv) << 8 |
+                           fp4_code(v[3] * inv) << 12;
+    *reinterpret_cast<uint16_t*>(data + 2 * lane) = static_cast<uint16_t>(codes);
+    if (lane % 8 == 0) scales[lane / 8] = static_cast<uint8_t>(e);
+  }
+};
+
+template <typename K>
+__global__ __launch_bounds__(K::kWarps * kWarpSize) void store_kernel(const __grid_constant__ Params p) {
+  K::run(p);
+}
+
+template <typename DType, Format F, bool kPDL>
+struct NormRopeStore {
+  using K = Kernel<DType, F, kPDL>;
+  using L = Layout<F>;
+
+  /// kv [rows, hd]; plan rows (CompressPlan in prefill, DecodePlan in decode); freq fp32 [max_pos, 64];
+  /// out_loc int32/int64 (prefill: >= num_q_tokens entries, indexed by ragged id; decode: one per row);
+  /// kvcache u8 [num_pages, page_bytes].
+  static void run(TensorView kv, TensorView plan, TensorView norm_weight, TensorView freq, TensorView out_loc,
+                  TensorView kvcache, Optional<TensorView> status, int64_t page_size, int64_t compress_ratio,
+                  bool is_decode, double eps, int64_t num_q_tokens) {
+    const char* op = "compress_norm_rope_store";
+    Size rows{"rows"}, pages{"num_pages"}, max_pos{"max_pos"}, locs{"out_loc_len"};
+    Device dev;
+    expect(compress_ratio == 4 || compress_ratio == 128, op, "compress_ratio", "4 or 128", compress_ratio);
+    expect(page_size > 0 && (page_size & (page_size - 1)) == 0, op, "page_size", "a power of two", page_size);
+    const int64_t page_bytes = L::page_bytes(page_size);
+    Check(op, "kv", kv).shape({rows, L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous().aligned();
+    Check(op, "plan[1]", plan).shape({rows, 16}).dtype(dl::kU8).cuda(dev).contiguous().aligned();
+    Check(op, "norm_weight", norm_weight).shape({L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous()
+        .aligned();
+    Check(op, "freq_cis", freq).shape({max_pos, kRopeDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+    Check(op, "out_loc", out_loc).shape({locs}).dtype_in({dl::kI32, dl::kI64}).cuda(dev).contiguous();
+    Check(op, "kvcache", kvcache).shape({pages, page_bytes}).dtype(dl::kU8).cuda(dev).contiguous().aligned();
+    if (is_decode) {
+      expect(locs.value == rows.value, op, "out_loc", [&] { return "one entry per decode row (" +
+                                                                   std::to_string(rows.value) + ")"; }, locs.value);
+    } else if (num_q_tokens >= 0) {
+      expect(locs.value >= num_q_tokens, op, "out_loc", [&] { return "at least num_q_tokens (" +
+                                                                     std::to_string(num_q_tokens) + ") entries"; },
+             locs.value);
+    }
+    if (status.has_value()) Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
+    Params p{};
+    p.kv = kv.data_ptr();
+    p.plan = plan.data_ptr();
+    p.norm_weight = norm_weight.data_ptr();
+    p.freq = static_cast<const float*>(freq.data_ptr());
+    p.out_loc = out_loc.data_ptr();
+    p.cache = static_cast<uint8_t*>(kvcache.data_ptr());
+    p.status = status.has_value() ? static_cast<int32_t*>(status.value().data_ptr()) : nullptr;
+    p.page_bytes = page_bytes;
+    p.num_locs = pages.value * page_size;
+    p.out_loc_len = locs.value;
+    p.max_pos = max_pos.value;
+    p.rows = static_cast<uint32_t>(rows.value);
+    p.log2_page_size = __builtin_ctzll(static_cast<uint64_t>(page_size));
+    p.ratio = static_cast<int32_t>(compress_ratio);
+    p.eps = static_cast<float>(eps);
+    p.loc64 = same_dtype(out_loc.dtype(), dl::kI64);
+    p.is_decode = is_decode;
+    launch(op, dev.dev, {div_ceil(p.rows, K::kWarps), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
+  }
+};
+
+}  // namespace dsv4::store
