@@ -30,7 +30,7 @@ if want sanitize; then
   done
 fi
 if want bench; then
-  for b in ${BENCHES:-plan compress store loader}; do
+  for b in ${BENCHES:-plan compress store overhead loader}; do
     python3 -m "dsv4jit.bench.$b" 2>&1 | tee "$out/bench-$b.log" || status=1
   done
 fi

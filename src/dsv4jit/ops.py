@@ -17,6 +17,14 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 _OP = "compress_forward"
 
 
+def _check_cpu(op: str, **tensors: Optional[torch.Tensor]) -> None:
+    """The reference backend takes CPU tensors only: a CUDA tensor among them is a mix, not a fallback."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise TypeError(f"dsv4jit.{op}: argument '{name}' must be on the same device as the others (cpu), "
+                            f"got {t.device}")
+
+
 def _dtype_name(t: torch.Tensor, arg: str, op: str = _OP) -> str:
     try:
         return _DTYPE_NAMES[t.dtype]
@@ -74,7 +82,12 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     if out is None:
         out = torch.empty((rows, head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
     if kv_score_input.device.type == "cpu":
+        _check_cpu(_OP, kv_score_buffer=kv_score_buffer, ape=ape, out=out, plan=plan[1],
+                   plan_w=None if plan.is_decode else plan.plan_w)
         return _reference(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out)
+    if kv_score_buffer.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
+                        f"got {kv_score_buffer.dtype}")
     fn = runtime.function(f"compress_c{compress_ratio}", "decode" if plan.is_decode else "prefill",
                           kv_score_input.device, head_dim=head_dim,
                           state=_dtype_name(kv_score_buffer, "kv_score_buffer"),
@@ -109,6 +122,15 @@ def _store_format(head_dim: int, use_fp4: bool, bf16_store: bool) -> str:
     raise ValueError(f"dsv4jit.{op}: argument 'kv': head_dim (kv.shape[1]) must be 512 or 128, got {head_dim}")
 
 
+def _check_out_loc(op: str, plan, out_loc: torch.Tensor, rows: int) -> None:
+    if plan.is_decode and out_loc.shape[0] != rows:
+        raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have one entry per decode row ({rows}), "
+                         f"got {out_loc.shape[0]}")
+    if not plan.is_decode and plan.num_q_tokens is not None and out_loc.shape[0] < plan.num_q_tokens:
+        raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have at least num_q_tokens "
+                         f"({plan.num_q_tokens}) entries, got {out_loc.shape[0]}")
+
+
 def _freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
     """complex64 [max_pos, 32] -> fp32 [max_pos, 64] of interleaved (cos, sin): a view, no copy."""
     if freq_cis.is_complex():
@@ -139,6 +161,8 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     if norm_weight.dtype != kv.dtype:
         norm_weight = norm_weight.to(kv.dtype)
     if kv.device.type == "cpu":
+        _check_cpu(op, plan=plan[1], norm_weight=norm_weight, freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache)
+        _check_out_loc(op, plan, out_loc, kv.shape[0])  # the kernels' entry points check this themselves
         ref_store.compress_norm_rope_store(kv, plan[1], is_decode=plan.is_decode, compress_ratio=ratio,
                                            norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis,
                                            out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,

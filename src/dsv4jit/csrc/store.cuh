@@ -82,28 +82,31 @@ struct Kernel {
     if (p.status != nullptr && threadIdx.x % kWarpSize == 0) atomicOr(p.status, bit);
   }
 
+  static DSV4_DEV int64_t load_loc(const Params& p, int64_t i) {
+    return p.loc64 ? static_cast<const int64_t*>(p.out_loc)[i] : static_cast<const int32_t*>(p.out_loc)[i];
+  }
+
   /// Which rows are stored, where, and at which rope position; false to skip the row.
   static DSV4_DEV bool locate(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
     uint32_t seq_len;
-    int64_t loc_index = row;
     if (p.is_decode) {
       seq_len = static_cast<const DecodePlan*>(p.plan)[row].seq_len;
+      loc = load_loc(p, row);  // decode locations do not depend on the plan: load in parallel
       if (seq_len % p.ratio != 0) return false;  // no compress event this step
     } else {
       const CompressPlan c = static_cast<const CompressPlan*>(p.plan)[row];
       if (c.is_invalid()) return false;
+      if (c.ragged_id >= p.out_loc_len) {
+        report(p, kRaggedOutOfRange);
+        return false;
+      }
       seq_len = c.seq_len;
-      loc_index = c.ragged_id;  // out_loc is indexed by ragged token id in prefill
+      loc = load_loc(p, c.ragged_id);  // out_loc is indexed by ragged token id in prefill
     }
-    int32_t bad = 0;
     position = int64_t{seq_len} - p.ratio;
-    if (loc_index >= p.out_loc_len) {
-      bad = kRaggedOutOfRange;
-    } else {
-      loc = p.loc64 ? static_cast<const int64_t*>(p.out_loc)[loc_index]
-                    : static_cast<const int32_t*>(p.out_loc)[loc_index];
-      bad = (loc < 0 || loc >= p.num_locs) ? kLocOutOfRange : (position < 0 || position >= p.max_pos) ? kPositionOutOfRange : 0;
-    }
+    const int32_t bad = (loc < 0 || loc >= p.num_locs)                 ? kLocOutOfRange
+                        : (position < 0 || position >= p.max_pos) ? kPositionOutOfRange
+                                                                   : 0;
     if (bad != 0) report(p, bad);  // the row is skipped: nothing is written out of bounds
     return bad == 0;
   }
@@ -113,22 +116,28 @@ struct Kernel {
     const uint32_t row = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
     pdl_wait_upstream<kPDL>();
     if (row >= p.rows) return;
-    int64_t loc, position;
-    if (!locate(p, row, loc, position)) return;
+    // The row and the weight do not depend on the plan: their loads go out first, in parallel
+    // with the plan -> out_loc -> rope-table chain.
     const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{row} * L::kHeadDim;
     const DType* w_row = static_cast<const DType*>(p.norm_weight);
-    float x[C][4], w[C][4];
+    Vec<DType, 4> xv[C], wv[C];
 #pragma unroll
     for (int k = 0; k < C; ++k) {
-      const Vec<DType, 4> xv = load_vec<4>(x_row + 128 * k + 4 * lane);
-      const Vec<DType, 4> wv = load_vec<4>(w_row + 128 * k + 4 * lane);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[k][c] = to_f32(xv[c]), w[k][c] = to_f32(wv[c]);
+      xv[k] = load_vec<4>(x_row + 128 * k + 4 * lane);
+      wv[k] = load_vec<4>(w_row + 128 * k + 4 * lane);
     }
+    int64_t loc, position;
+    if (!locate(p, row, loc, position)) return;
     const bool rope_lane = lane >= 16;  // upper half-warp of the last chunk holds the trailing 64 dims
     Vec<float, 4> freq{};
     if (rope_lane) freq = load_vec<4>(p.freq + position * kRopeDim + 4 * (lane - 16));
     pdl_launch_dependents<kPDL>();
+    float x[C][4], w[C][4];
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[k][c] = to_f32(xv[k][c]), w[k][c] = to_f32(wv[k][c]);
+    }
 
     // RMSNorm, in the reference's order: y = (x * r) * w, without fused multiply-adds.
     float sumsq = 0.0f;
