@@ -99,7 +99,7 @@ class Scenario:
 
     def __init__(self, device, ratio, mode="ring", ring=None, *, num_reqs=4, max_ctx=1024, hd=None,
                  state_dtype=torch.float32, in_dtype=torch.float32, ape_dtype=torch.float32, seed=0):
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # normalized: cuda -> cuda:<current>
         self.R, self.mode = ratio, mode
         self.ring = ring if ring is not None else (8 if ratio == 4 else 128)
         self.hd = hd if hd is not None else HEAD_DIM[self.device.type][ratio]

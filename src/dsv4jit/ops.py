@@ -17,12 +17,10 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 _OP = "compress_forward"
 
 
-def _check_cpu(op: str, **tensors: Optional[torch.Tensor]) -> None:
-    """The reference backend takes CPU tensors only: a CUDA tensor among them is a mix, not a fallback."""
-    for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
-            raise TypeError(f"dsv4jit.{op}: argument '{name}' must be on the same device as the others (cpu), "
-                            f"got {t.device}")
+def _cuda_device(*tensors: Optional[torch.Tensor]) -> Optional[torch.device]:
+    """Kernels run when any tensor is on a GPU (their checks then name a tensor left on the CPU, so a
+    device mix is an error, never a silent fallback to the reference); None when all are on the CPU."""
+    return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), None)
 
 
 def _dtype_name(t: torch.Tensor, arg: str, op: str = _OP) -> str:
@@ -78,21 +76,21 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
         raise TypeError(f"dsv4jit.{_OP}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
     if ape.dtype != kv_score_input.dtype:
         ape = ape.to(kv_score_input.dtype)
-    rows = plan[1].shape[0]
+    device = _cuda_device(kv_score_buffer, kv_score_input, ape, out, plan[1],
+                          None if plan.is_decode else plan.plan_w)
     if out is None:
-        out = torch.empty((rows, head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
-    if kv_score_input.device.type == "cpu":
-        _check_cpu(_OP, kv_score_buffer=kv_score_buffer, ape=ape, out=out, plan=plan[1],
-                   plan_w=None if plan.is_decode else plan.plan_w)
+        out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype,
+                          device=device or kv_score_input.device)
+    if device is None:
         return _reference(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out)
     if kv_score_buffer.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
                         f"got {kv_score_buffer.dtype}")
     fn = runtime.function(f"compress_c{compress_ratio}", "decode" if plan.is_decode else "prefill",
-                          kv_score_input.device, head_dim=head_dim,
+                          device, head_dim=head_dim,
                           state=_dtype_name(kv_score_buffer, "kv_score_buffer"),
                           input=_dtype_name(kv_score_input, "kv_score_input"), output=_dtype_name(out, "out"))
-    status = _status(kv_score_input.device)
+    status = _status(device)
     if plan.is_decode:
         fn(kv_score_buffer, kv_score_input, ape, plan.plan_d, out, status)
     else:
@@ -160,16 +158,16 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     ratio = plan.compress_ratio
     if norm_weight.dtype != kv.dtype:
         norm_weight = norm_weight.to(kv.dtype)
-    if kv.device.type == "cpu":
-        _check_cpu(op, plan=plan[1], norm_weight=norm_weight, freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache)
+    device = _cuda_device(kv, plan[1], norm_weight, freq_cis, out_loc, kvcache)
+    if device is None:
         _check_out_loc(op, plan, out_loc, kv.shape[0])  # the kernels' entry points check this themselves
         ref_store.compress_norm_rope_store(kv, plan[1], is_decode=plan.is_decode, compress_ratio=ratio,
                                            norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis,
                                            out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
                                            bf16_store=bf16_store)
         return
-    fn = runtime.function("store", "run", kv.device, dtype=_dtype_name(kv, "kv", op), format=fmt)
-    status = _status(kv.device)
+    fn = runtime.function("store", "run", device, dtype=_dtype_name(kv, "kv", op), format=fmt)
+    status = _status(device)
     num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
     fn(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, status, page_size, ratio, plan.is_decode,
        float(norm_eps), num_q)

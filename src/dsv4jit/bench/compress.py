@@ -1,6 +1,6 @@
 """compress_forward throughput: µs, bytes moved, GB/s and % of the measured copy bandwidth.
 
-    python -m dsv4jit.bench.compress [--json] [--quick]
+    python -m dsv4jit.bench.compress [--json] [--only TEXT]
 
 Bytes count what the op must move at least: every input element it uses read once (window slots
 from the ragged input or the state ring, tokens stored into the ring), every output element
@@ -78,32 +78,35 @@ class Case:
                          out=self.out)
 
 
-def cases(quick: bool):
+def cases() -> list[tuple]:
+    """(name, ratio, head_dim, seq_lens, extend_lens or None for decode, state dtype)."""
+    fp32, bf16 = torch.float32, torch.bfloat16
     c = [
-        Case("prefill c4 hd512 1x8192", 4, 512, [8192], [8192], False),
-        Case("prefill c4 hd512 16x512", 4, 512, [512 + 37 * i for i in range(16)], [512] * 16, False),
-        Case("prefill c4 hd512 1x32768", 4, 512, [32768], [32768], False),
-        Case("prefill c4 hd128 1x8192", 4, 128, [8192], [8192], False),
-        Case("prefill c128 hd512 1x8192", 128, 512, [8192], [8192], False),
-        Case("prefill c128 hd512 1x32768", 128, 512, [32768], [32768], False),
-        Case("prefill c4 hd512 1x8192 bf16-state", 4, 512, [8192], [8192], False, torch.bfloat16),
+        ("prefill c4 hd512 1x8192", 4, 512, [8192], [8192], fp32),
+        ("prefill c4 hd512 16x512", 4, 512, [512 + 37 * i for i in range(16)], [512] * 16, fp32),
+        ("prefill c4 hd512 1x32768", 4, 512, [32768], [32768], fp32),
+        ("prefill c4 hd128 1x8192", 4, 128, [8192], [8192], fp32),
+        ("prefill c128 hd512 1x8192", 128, 512, [8192], [8192], fp32),
+        ("prefill c128 hd512 1x32768", 128, 512, [32768], [32768], fp32),
+        ("prefill c4 hd512 1x8192 bf16-state", 4, 512, [8192], [8192], bf16),
     ]
-    for b in (1, 64, 256, 1024):
-        c.append(Case(f"decode c4 hd512 B={b} boundary", 4, 512, [400 + 4 * i for i in range(b)], None, True))
-    for b in (1, 16, 128, 256):
-        c.append(Case(f"decode c128 hd512 B={b} boundary", 128, 512, [512 + 128 * (i % 8) for i in range(b)], None,
-                      True))
-    c.append(Case("decode c4 hd512 B=256 off-boundary", 4, 512, [401 + 4 * i for i in range(256)], None, True))
-    c.append(Case("decode c128 hd512 B=256 off-boundary", 128, 512, [513 + 128 * (i % 8) for i in range(256)], None,
-                  True))
-    return c[:3] + c[7:9] if quick else c
+    c += [(f"decode c4 hd512 B={b} boundary", 4, 512, [400 + 4 * i for i in range(b)], None, fp32)
+          for b in (1, 64, 256, 1024)]
+    c += [(f"decode c128 hd512 B={b} boundary", 128, 512, [512 + 128 * (i % 8) for i in range(b)], None, fp32)
+          for b in (1, 16, 128, 256)]
+    c.append(("decode c4 hd512 B=256 off-boundary", 4, 512, [401 + 4 * i for i in range(256)], None, fp32))
+    c.append(("decode c128 hd512 B=256 off-boundary", 128, 512, [513 + 128 * (i % 8) for i in range(256)], None, fp32))
+    return c
 
 
-def run(quick: bool = False) -> dict:
+def run(only: str = "") -> dict:
     copy_gbs = timing.copy_bandwidth_gbs()
     empty = timing.graph_us(timing.empty_kernel())
     rows = []
-    for case in cases(quick):
+    for name, ratio, hd, seq, ext, state_dtype in cases():
+        if only not in name:
+            continue
+        case = Case(name, ratio, hd, seq, ext, ext is None, state_dtype)
         eager = timing.event_us(case)
         graph = timing.graph_us(case)
         best = min(eager, graph)
@@ -116,9 +119,9 @@ def run(quick: bool = False) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = p.parse_args(argv)
-    res = run(args.quick)
+    res = run(args.only)
     if args.json:
         print(json.dumps(res, indent=1))
         return

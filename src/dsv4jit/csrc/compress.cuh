@@ -45,7 +45,10 @@ struct Window {
   static constexpr int kRowWidth = (kOverlap ? 4 : 2) * kHeadDim;    // kv_ov | kv | sc_ov | sc, or kv | sc
   static constexpr int kSlotsPerWarp = 8;
   static constexpr int kWarpsPerUnit = kSlots / kSlotsPerWarp;
-  static constexpr int kLaneChannels = kHeadDim % 128 == 0 ? 4 : 2;
+#ifndef DSV4JIT_C128_LANE_CHANNELS
+#define DSV4JIT_C128_LANE_CHANNELS 4
+#endif
+  static constexpr int kLaneChannels = (kHeadDim % 128 == 0 && (kOverlap || DSV4JIT_C128_LANE_CHANNELS == 4)) ? 4 : 2;
   static constexpr int kUnitChannels = kWarpSize * kLaneChannels;
   static constexpr int kSlices = kHeadDim / kUnitChannels;
   static constexpr int kGroups = kRowWidth / kHeadDim;               // column groups of a row
@@ -81,6 +84,10 @@ struct Kernels {
   static constexpr int C = W::kLaneChannels;
   static constexpr int kUnitsPerBlock = W::kWarpsPerUnit == 1 ? 4 : 1;
   static constexpr int kThreads = kUnitsPerBlock * W::kWarpsPerUnit * kWarpSize;
+#ifndef DSV4JIT_C128_MIN_BLOCKS
+#define DSV4JIT_C128_MIN_BLOCKS 0
+#endif
+  static constexpr int kMinBlocks = W::kOverlap ? 0 : DSV4JIT_C128_MIN_BLOCKS;  // 0: compiler's choice
 
   /// Per-thread coordinates: which unit, which slots, which channels.
   struct Lane {
@@ -264,7 +271,7 @@ struct Kernels {
 };
 
 template <typename K>
-__global__ __launch_bounds__(K::kThreads) void prefill_pool_kernel(const __grid_constant__ Params p) {
+__global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void prefill_pool_kernel(const __grid_constant__ Params p) {
   K::prefill_pool(p);
 }
 
@@ -274,7 +281,7 @@ __global__ __launch_bounds__(4 * kWarpSize) void prefill_write_kernel(const __gr
 }
 
 template <typename K>
-__global__ __launch_bounds__(K::kThreads) void decode_kernel(const __grid_constant__ Params p) {
+__global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(const __grid_constant__ Params p) {
   K::decode(p);
 }
 
