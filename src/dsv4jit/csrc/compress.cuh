@@ -45,10 +45,11 @@ struct Window {
   static constexpr int kRowWidth = (kOverlap ? 4 : 2) * kHeadDim;    // kv_ov | kv | sc_ov | sc, or kv | sc
   static constexpr int kSlotsPerWarp = 8;
   static constexpr int kWarpsPerUnit = kSlots / kSlotsPerWarp;
-#ifndef DSV4JIT_C128_LANE_CHANNELS
-#define DSV4JIT_C128_LANE_CHANNELS 4
-#endif
-  static constexpr int kLaneChannels = (kHeadDim % 128 == 0 && (kOverlap || DSV4JIT_C128_LANE_CHANNELS == 4)) ? 4 : 2;
+  // c4: a warp holds all 8 slots of a row's 128-channel slice (16-byte lanes). c128: 16 warps
+  // split the window, so 8-byte lanes keep each thread at 64 registers and two units per SM
+  // resident: one unit's merge and store overlap the other's loads (measured +14-16 points of
+  // copy bandwidth over 16-byte lanes at one unit per SM).
+  static constexpr int kLaneChannels = kOverlap ? 4 : 2;
   static constexpr int kUnitChannels = kWarpSize * kLaneChannels;
   static constexpr int kSlices = kHeadDim / kUnitChannels;
   static constexpr int kGroups = kRowWidth / kHeadDim;               // column groups of a row
@@ -84,10 +85,7 @@ struct Kernels {
   static constexpr int C = W::kLaneChannels;
   static constexpr int kUnitsPerBlock = W::kWarpsPerUnit == 1 ? 4 : 1;
   static constexpr int kThreads = kUnitsPerBlock * W::kWarpsPerUnit * kWarpSize;
-#ifndef DSV4JIT_C128_MIN_BLOCKS
-#define DSV4JIT_C128_MIN_BLOCKS 0
-#endif
-  static constexpr int kMinBlocks = W::kOverlap ? 0 : DSV4JIT_C128_MIN_BLOCKS;  // 0: compiler's choice
+  static constexpr int kMinBlocks = W::kOverlap ? 0 : 2;  // 0: the compiler's choice
 
   /// Per-thread coordinates: which unit, which slots, which channels.
   struct Lane {

@@ -1,7 +1,7 @@
 // compress_norm_rope_store (SPEC §F): RMSNorm -> RoPE on the trailing 64 dims (interleaved pairs,
 // position seq_len - R) -> 128-point Hadamard (indexer) -> quantize -> paged cache store.
 //
-// A warp stores one row of hd 512 or four rows of hd 128. Lane l holds, in chunk k, the 4 channels 128k + 4l .. 128k + 4l + 3,
+// One warp per compressed row. Lane l holds, in chunk k, the 4 channels 128k + 4l .. 128k + 4l + 3,
 // so every global access is a coalesced 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles
 // of the V4 layout are half-warps, the fp4 32-dim groups are 8 lanes, and the rope dims are the
 // upper half-warp of the last chunk.
@@ -111,37 +111,25 @@ struct Kernel {
     return bad == 0;
   }
 
-  // Rows per warp: a lane keeps 16 values of kv in flight (hd 512: one row; hd 128: four rows),
-  // so the plan -> out_loc -> rope-table latency chain is paid once per 16 values, not per 4.
-  static constexpr int kRowsPerWarp = 4 / C;
-
   static DSV4_DEV void run(const Params& p) {
     const int lane = threadIdx.x % kWarpSize;
-    const uint32_t first_row = (blockIdx.x * kWarps + threadIdx.x / kWarpSize) * kRowsPerWarp;
+    const uint32_t row = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
     pdl_wait_upstream<kPDL>();
-    if (first_row >= p.rows) return;
-    // Rows and weight do not depend on the plan: their loads go out before the plan chain.
+    if (row >= p.rows) return;
+    // The row and the weight do not depend on the plan: their loads go out first, in parallel
+    // with the plan -> out_loc -> rope-table chain.
+    const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{row} * L::kHeadDim;
     const DType* w_row = static_cast<const DType*>(p.norm_weight);
-    Vec<DType, 4> wv[C], xv[kRowsPerWarp][C];
+    Vec<DType, 4> xv[C], wv[C];
 #pragma unroll
-    for (int k = 0; k < C; ++k) wv[k] = load_vec<4>(w_row + 128 * k + 4 * lane);
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{first_row + r} * L::kHeadDim;
-#pragma unroll
-      for (int k = 0; k < C; ++k) {
-        if (first_row + r < p.rows) xv[r][k] = load_vec<4>(x_row + 128 * k + 4 * lane);
-      }
+    for (int k = 0; k < C; ++k) {
+      xv[k] = load_vec<4>(x_row + 128 * k + 4 * lane);
+      wv[k] = load_vec<4>(w_row + 128 * k + 4 * lane);
     }
-    int64_t loc[kRowsPerWarp], position[kRowsPerWarp];
-    bool stored[kRowsPerWarp];
-    Vec<float, 4> freq[kRowsPerWarp];
-    const bool rope_lane = lane >= 16;  // upper half-warp of the last chunk holds the trailing 64 dims
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      stored[r] = first_row + r < p.rows && locate(p, first_row + r, loc[r], position[r]);
-      if (stored[r] && rope_lane) freq[r] = load_vec<4>(p.freq + position[r] * kRopeDim + 4 * (lane - 16));
-    }
+    int64_t loc, position;
+    if (!locate(p, row, loc, position)) return;
+    Vec<float, 4> freq{};
+    if (lane >= 16) freq = load_vec<4>(p.freq + position * kRopeDim + 4 * (lane - 16));  // rope lanes
     pdl_launch_dependents<kPDL>();
     float w[C][4];
 #pragma unroll
@@ -149,10 +137,7 @@ struct Kernel {
 #pragma unroll
       for (int c = 0; c < 4; ++c) w[k][c] = to_f32(wv[k][c]);
     }
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (stored[r]) store_row(p, xv[r], w, freq[r], loc[r], lane);
-    }
+    store_row(p, xv, w, freq, loc, lane);
   }
 
   static DSV4_DEV void store_row(const Params& p, const Vec<DType, 4> (&xv)[C], const float (&w)[C][4],
@@ -349,8 +334,7 @@ struct NormRopeStore {
     p.eps = static_cast<float>(eps);
     p.loc64 = same_dtype(out_loc.dtype(), dl::kI64);
     p.is_decode = is_decode;
-    launch(op, dev.dev, {div_ceil(p.rows, K::kWarps * K::kRowsPerWarp), K::kWarps * kWarpSize}, kPDL, store_kernel<K>,
-           p);
+    launch(op, dev.dev, {div_ceil(p.rows, K::kWarps), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
   }
 };
 
