@@ -35,43 +35,34 @@ def _device_of(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.
     return device if device.type == "cuda" else seq_lens.device
 
 
-def _plan_storage(rows_c: int, rows_w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One allocation for both plans (allocation dominates the host cost of planning): the
-    CompressPlan rows, then the WritePlan rows at a 16-byte aligned offset."""
-    storage = torch.empty(rows_c * 16 + rows_w * 8, dtype=torch.uint8, device=device)
-    return storage, storage[: rows_c * 16].view(rows_c, 16), storage[rows_c * 16:].view(rows_w, 8)
-
-
 def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,
              ring_size, num_q_tokens, use_cuda_graph, use_req_ring, legacy):
     num_q_tokens = int(num_q_tokens)
     device = _device_of(req_pool_indices, seq_lens)
-    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else 0
     args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
-    if seq_lens.device.type == "cuda":
-        _, plan_c, plan_w = _plan_storage(num_q_tokens, num_q_tokens, device)
-        status = _status_word(device)
-        fn = runtime.function("plan", "prefill_device", device)
-        fn(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, plan_c, plan_w, status, *args)
-        _check_status(status, runtime.function("plan", "describe_status", device), _OP_PREFILL)
-        return plan_c, plan_w
-    # Lengths on the host: the row counts are known there, so plans get exact shapes. They are
-    # views into capacity-sized storage (events <= tokens / R + requests) sized without the data.
-    cap_c = num_q_tokens if use_cuda_graph else num_q_tokens // compress_ratio + batch
-    storage, plan_c, plan_w = _plan_storage(cap_c, num_q_tokens, device)
+    kernel = "plan" if device.type == "cuda" else "plan_host"
+    if seq_lens.device.type == "cuda" or use_cuda_graph:  # bucket-sized plans, invalid past the counts
+        rows_c = rows_w = num_q_tokens
+    else:  # lengths on the host: count first (O(batch)) so the plans get their exact shapes
+        rows_c, rows_w = runtime.function(kernel, "prefill_counts", device)(seq_lens, extend_lens, num_q_tokens,
+                                                                             *args)
+    plan_c = torch.empty((rows_c, 16), dtype=torch.uint8, device=device)
+    plan_w = torch.empty((rows_w, 8), dtype=torch.uint8, device=device)
     if device.type == "cpu":
-        fn = runtime.function("plan_host", "prefill", device)
-        num_c, num_w = fn(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, plan_c, plan_w,
-                          num_q_tokens, *args, use_cuda_graph, runtime.checks_enabled())
-    else:
-        status = _status_word(device)
-        fn = runtime.function("plan", "prefill_host_lengths", device)
-        num_c, num_w = fn(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, plan_c, plan_w, status,
-                          num_q_tokens, *args, use_cuda_graph)
-        _check_status(status, runtime.function("plan", "describe_status", device), _OP_PREFILL)
-    if use_cuda_graph:
+        runtime.function(kernel, "prefill", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
+                                                   extend_lens, plan_c, plan_w, num_q_tokens, *args, use_cuda_graph,
+                                                   runtime.checks_enabled())
         return plan_c, plan_w
-    return storage[: num_c * 16].view(num_c, 16), storage[cap_c * 16: cap_c * 16 + num_w * 8].view(num_w, 8)
+    status = _status_word(device)
+    if seq_lens.device.type == "cuda":
+        runtime.function(kernel, "prefill_device", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
+                                                          extend_lens, plan_c, plan_w, status, *args)
+    else:
+        runtime.function(kernel, "prefill_host_lengths", device)(req_pool_indices, req_to_token, full_to_state,
+                                                                seq_lens, extend_lens, plan_c, plan_w, status,
+                                                                num_q_tokens, *args, use_cuda_graph)
+    _check_status(status, runtime.function(kernel, "describe_status", device), _OP_PREFILL)
+    return plan_c, plan_w
 
 
 def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size, ring_size,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/container/tuple.h>
 #include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
@@ -127,6 +128,20 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
          num_q_tokens);
   table[B] = {0, static_cast<uint32_t>(tokens), totals.num_c, totals.num_w};
   return totals;
+}
+
+/// Row counts (num_c, num_w) of a prefill plan from host-resident lengths, validating them; lets
+/// the caller allocate exactly-sized plans before planning.
+inline tvm::ffi::Tuple<int64_t, int64_t> prefill_counts(TensorView seq_lens, TensorView extend_lens,
+                                                        int64_t num_q_tokens, int64_t compress_ratio,
+                                                        int64_t swa_page_size, int64_t ring_size, bool use_req_ring,
+                                                        bool legacy) {
+  const char* op = "plan_prefill";
+  const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
+  Size batch{"batch_size"};
+  std::vector<RequestEntry> table;
+  const Totals totals = build_request_table(op, g, seq_lens, extend_lens, batch, num_q_tokens, table);
+  return tvm::ffi::Tuple<int64_t, int64_t>(totals.num_c, totals.num_w);
 }
 
 /// Message for checked mode (status bits reported by the planner).
