@@ -38,3 +38,14 @@ def random_batch(batch: int, gen: torch.Generator, max_extend: int = 300, max_pr
         ext[torch.rand(batch, generator=gen) < 0.2] = 1
     prefix = torch.randint(0, max_prefix + 1, (batch,), generator=gen, dtype=torch.int64)
     return prefix + ext, ext
+
+
+def planner_inputs(seed: int, batch: int, **batch_kw):
+    """A random batch on a random paged pool: (req_pool_indices, seq_lens, extend_lens, req_to_token,
+    full_to_state), with a few evicted SWA slots and more request slots than requests."""
+    gen = torch.Generator().manual_seed(seed)
+    seq, ext = random_batch(batch, gen, **batch_kw)
+    num_reqs = batch + 3
+    r2t, f2s = random_pool(num_reqs, int(seq.max()) + 64, gen, evict_fraction=0.05)
+    rpi = torch.randperm(num_reqs, generator=gen)[:batch].to(torch.int64)
+    return rpi, seq, ext, r2t, f2s

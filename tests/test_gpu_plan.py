@@ -8,21 +8,12 @@ import torch
 from dsv4jit import plan_layout, runtime
 from dsv4jit.plan import CompressorDecodePlan, CompressorPrefillPlan
 from dsv4jit.reference import plan as ref
-from pool_utils import random_batch, random_pool
+from pool_utils import planner_inputs, random_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CONFIGS = [  # (ratio, ring_size, use_req_ring)
     (4, 8, False), (4, 16, False), (4, 8, True), (4, 16, True), (128, 128, False), (128, 256, False)]
-
-
-def _inputs(seed, batch, **kw):
-    gen = torch.Generator().manual_seed(seed)
-    seq, ext = random_batch(batch, gen, **kw)
-    num_reqs = batch + 3
-    r2t, f2s = random_pool(num_reqs, int(seq.max()) + 64, gen, evict_fraction=0.05)
-    rpi = torch.randperm(num_reqs, generator=gen)[:batch].to(torch.int64)
-    return rpi, seq, ext, r2t, f2s
 
 
 def _all_paths(ratio, ring, req_ring, rpi, seq, ext, r2t, f2s, num_q=None):
@@ -44,7 +35,7 @@ def _all_paths(ratio, ring, req_ring, rpi, seq, ext, r2t, f2s, num_q=None):
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
 @pytest.mark.parametrize("seed", range(4))
 def test_all_paths_bit_identical(ratio, ring, req_ring, seed):
-    rpi, seq, ext, r2t, f2s = _inputs(seed, batch=1 + 7 * seed)
+    rpi, seq, ext, r2t, f2s = planner_inputs(seed, batch=1 + 7 * seed)
     plans = _all_paths(ratio, ring, req_ring, rpi, seq, ext, r2t, f2s)
     ref_c, ref_w = plans.pop("reference")
     for name, (c, w) in plans.items():
@@ -54,7 +45,7 @@ def test_all_paths_bit_identical(ratio, ring, req_ring, seed):
 
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
 def test_cpu_lengths_exact_shapes(ratio, ring, req_ring):
-    rpi, seq, ext, r2t, f2s = _inputs(11, batch=9)
+    rpi, seq, ext, r2t, f2s = planner_inputs(11, batch=9)
     num_q = int(ext.sum())
     ref_c, ref_w = ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, 256, ring, num_q, use_req_ring=req_ring)
     p = CompressorPrefillPlan.generate(ratio, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, ring, num_q,
@@ -67,7 +58,7 @@ def test_cpu_lengths_exact_shapes(ratio, ring, req_ring):
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_many_requests_chunked_table(ratio):
     """More requests than one kernel-parameter table holds (CPU lengths): chunked launches."""
-    rpi, seq, ext, r2t, f2s = _inputs(5, batch=1500, max_extend=20, max_prefix=300)
+    rpi, seq, ext, r2t, f2s = planner_inputs(5, batch=1500, max_extend=20, max_prefix=300)
     num_q = int(ext.sum())
     ref_c, ref_w = ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, 256, ratio * 2, num_q)
     p = CompressorPrefillPlan.generate(ratio, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, ratio * 2, num_q)
@@ -93,7 +84,7 @@ def test_ragged_batch_is_not_mistaken_for_uniform(extends):
 
 @pytest.mark.parametrize("extend", [1, 4, 32, 33])
 def test_uniform_extend_batches(extend):
-    rpi, seq, ext, r2t, f2s = _inputs(7, batch=256, uniform_extend=extend)
+    rpi, seq, ext, r2t, f2s = planner_inputs(7, batch=256, uniform_extend=extend)
     plans = _all_paths(4, 16, False, rpi, seq, ext, r2t, f2s)
     assert torch.equal(plans["gpu_lengths"][0], plans["reference"][0])
     assert torch.equal(plans["gpu_lengths"][1], plans["reference"][1])
@@ -159,7 +150,7 @@ def test_graph_capture_and_replay_with_new_lengths():
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
 @pytest.mark.parametrize("lengths_on_gpu", [False, True])
 def test_decode_matches_reference(ratio, ring, req_ring, lengths_on_gpu):
-    rpi, seq, _, r2t, f2s = _inputs(21, batch=300)
+    rpi, seq, _, r2t, f2s = planner_inputs(21, batch=300)
     expect = ref.plan_decode(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
     d = CompressorDecodePlan.generate(ratio, rpi.cuda(), r2t.cuda(), f2s.cuda(), seq.cuda(), 256, ring, req_ring)
     assert torch.equal(d.plan_d.cpu(), expect)
@@ -169,7 +160,7 @@ def test_decode_matches_reference(ratio, ring, req_ring, lengths_on_gpu):
 
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_legacy_paths(ratio):
-    rpi, seq, ext, _, _ = _inputs(4, batch=12)
+    rpi, seq, ext, _, _ = planner_inputs(4, batch=12)
     num_q = int(ext.sum())
     ref_c, ref_w = ref.plan_prefill_legacy(ratio, rpi, seq, ext, num_q)
     p = CompressorPrefillPlan.generate_legacy(ratio, rpi.cuda(), seq, ext, num_q, device="cuda")
@@ -189,7 +180,7 @@ def test_empty_batch():
 
 
 def test_checked_mode_reports_device_data_violations():
-    rpi, seq, ext, r2t, f2s = _inputs(2, batch=4)
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=4)
     num_q = int(ext.sum())
     runtime.set_checks(True)
     try:
@@ -209,7 +200,7 @@ def test_checked_mode_reports_device_data_violations():
 
 def test_default_mode_never_reads_out_of_bounds():
     """Excess tokens are dropped (no sync, no error) and rows stay inside the plan tensors."""
-    rpi, seq, ext, r2t, f2s = _inputs(2, batch=4)
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=4)
     num_q = int(ext.sum()) - 3
     p = CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), ext.cuda(), r2t.cuda(), f2s.cuda(), 256, 8, num_q)
     torch.cuda.synchronize()
@@ -218,7 +209,7 @@ def test_default_mode_never_reads_out_of_bounds():
 
 
 def test_argument_errors_name_the_argument():
-    rpi, seq, ext, r2t, f2s = _inputs(2, batch=4)
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=4)
     num_q = int(ext.sum())
     with pytest.raises(ValueError, match="compress_ratio"):
         CompressorPrefillPlan.generate(8, rpi.cuda(), seq, ext, r2t.cuda(), f2s.cuda(), 256, 8, num_q)

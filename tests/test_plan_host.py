@@ -8,25 +8,16 @@ import torch
 from dsv4jit import plan_layout, runtime
 from dsv4jit.plan import CompressorDecodePlan, CompressorPrefillPlan
 from dsv4jit.reference import plan as ref
-from pool_utils import random_batch, random_pool
+from pool_utils import planner_inputs, random_pool
 
 CONFIGS = [(4, 8, False), (4, 16, False), (4, 8, True), (4, 16, True), (128, 128, False), (128, 256, False)]
-
-
-def _inputs(seed, batch, **kw):
-    gen = torch.Generator().manual_seed(seed)
-    seq, ext = random_batch(batch, gen, **kw)
-    num_reqs = batch + 3
-    r2t, f2s = random_pool(num_reqs, int(seq.max()) + 64, gen, evict_fraction=0.05)
-    rpi = torch.randperm(num_reqs, generator=gen)[:batch].to(torch.int64)
-    return rpi, seq, ext, r2t, f2s
 
 
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
 @pytest.mark.parametrize("seed", range(5))
 def test_prefill_matches_reference(ratio, ring, req_ring, use_cuda_graph, seed):
-    rpi, seq, ext, r2t, f2s = _inputs(seed, batch=1 + 5 * seed)
+    rpi, seq, ext, r2t, f2s = planner_inputs(seed, batch=1 + 5 * seed)
     num_q = int(ext.sum())
     expect_c, expect_w = ref.plan_prefill(ratio, rpi, seq, ext, r2t, f2s, 256, ring, num_q,
                                           use_cuda_graph=use_cuda_graph, use_req_ring=req_ring)
@@ -38,7 +29,7 @@ def test_prefill_matches_reference(ratio, ring, req_ring, use_cuda_graph, seed):
 
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
 def test_decode_matches_reference(ratio, ring, req_ring):
-    rpi, seq, _, r2t, f2s = _inputs(3, batch=40)
+    rpi, seq, _, r2t, f2s = planner_inputs(3, batch=40)
     d = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
     assert torch.equal(d.plan_d, ref.plan_decode(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring))
     assert d.is_decode and d[1] is d.plan_d and d.rows().seq_len.tolist() == seq.tolist()
@@ -47,7 +38,7 @@ def test_decode_matches_reference(ratio, ring, req_ring):
 @pytest.mark.parametrize("ratio", [4, 128])
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
 def test_legacy_matches_reference(ratio, use_cuda_graph):
-    rpi, seq, ext, _, _ = _inputs(8, batch=10)
+    rpi, seq, ext, _, _ = planner_inputs(8, batch=10)
     num_q = int(ext.sum())
     p = CompressorPrefillPlan.generate_legacy(ratio, rpi, seq, ext, num_q, device="cpu", use_cuda_graph=use_cuda_graph)
     expect_c, expect_w = ref.plan_prefill_legacy(ratio, rpi, seq, ext, num_q, use_cuda_graph=use_cuda_graph)
@@ -86,7 +77,7 @@ def test_empty_batch():
     (dict(num_q_tokens=5), "argument 'num_q_tokens'"),
 ])
 def test_argument_errors_name_the_argument(bad, match):
-    rpi, seq, ext, r2t, f2s = _inputs(2, batch=3)
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=3)
     kw = dict(compress_ratio=4, req_pool_indices=rpi, seq_lens=seq, extend_lens=ext, req_to_token=r2t,
               full_to_state=f2s, swa_page_size=256, ring_size=8, num_q_tokens=int(ext.sum()))
     kw.update(bad)
@@ -95,7 +86,7 @@ def test_argument_errors_name_the_argument(bad, match):
 
 
 def test_bad_lengths_and_dtypes():
-    rpi, seq, ext, r2t, f2s = _inputs(2, batch=3)
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=3)
     bad_ext = ext.clone()
     bad_ext[1] = seq[1] + 1
     with pytest.raises(ValueError, match=r"request 1 must have 0 < extend_len <= seq_len"):
@@ -109,7 +100,7 @@ def test_bad_lengths_and_dtypes():
 
 
 def test_checked_mode_flags_out_of_range_lookups():
-    rpi, seq, ext, r2t, f2s = _inputs(2, batch=3)
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=3)
     num_q = int(ext.sum())
     short = f2s[:10]  # almost every req_to_token slot now points past full_to_state
     plain = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, short, 256, 8, num_q)  # default: no error
@@ -124,7 +115,7 @@ def test_checked_mode_flags_out_of_range_lookups():
 
 
 def test_copy_refreshes_graph_buffers():
-    rpi, seq, ext, r2t, f2s = _inputs(6, batch=4)
+    rpi, seq, ext, r2t, f2s = planner_inputs(6, batch=4)
     num_q = int(ext.sum())
     a = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s, 256, 8, num_q, use_cuda_graph=True)
     b = CompressorPrefillPlan.generate(4, rpi.flip(0), seq, ext, r2t, f2s, 256, 8, num_q, use_cuda_graph=True)

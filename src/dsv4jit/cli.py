@@ -72,8 +72,12 @@ def _variants(kernels: list[str] | None, sets: list[str] | None, filters: list[s
         name, eq, value = f.partition("=")
         if not eq:
             raise UsageError(f"--param must look like name=value, got {f!r}")
+        def keep(v, name=name, value=value) -> bool:
+            param = v.spec.param(name)
+            return param is None or v.params[name] == param.canonical(value)
+
         try:
-            out = [v for v in out if name not in v.spec._by_name or v.params[name] == v.spec._by_name[name].canonical(value)]
+            out = [v for v in out if keep(v)]
         except ValueError as e:
             raise UsageError(str(e)) from None
     return unique(out)
@@ -170,8 +174,9 @@ def cmd_precompile(args) -> int:
                         f.cancel()
     wall = time.monotonic() - start
     counts = {s: sum(r["status"] == s for r in results) for s in ("built", "cached", "failed", "cancelled")}
-    summary = (f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}"
-               + (f", cancelled {counts['cancelled']}" if counts["cancelled"] else "") + f", {wall:.1f}s wall (-j {jobs})")
+    cancelled = f", cancelled {counts['cancelled']}" if counts["cancelled"] else ""
+    summary = (f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}{cancelled}, "
+               f"{wall:.1f}s wall (-j {jobs})")
     _emit(args, {"results": results, "summary": counts, "wall_seconds": round(wall, 2)}, [summary])
     return EXIT_FAILED if failed else EXIT_OK
 

@@ -31,7 +31,10 @@ def _words(plan: torch.Tensor, row_bytes: int) -> torch.Tensor:
 
 def _pack(columns: list[torch.Tensor]) -> torch.Tensor:
     """Pack int64 columns (each a 32-bit pattern) into a uint8 plan tensor."""
-    words = torch.stack([c.to(torch.int64) for c in columns], dim=1) if columns[0].numel() else torch.zeros(0, len(columns), dtype=torch.int64)
+    if columns[0].numel():
+        words = torch.stack([c.to(torch.int64) for c in columns], dim=1)
+    else:
+        words = torch.zeros(0, len(columns), dtype=torch.int64)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.contiguous().view(torch.uint8).reshape(-1, 4 * len(columns))
 

@@ -99,21 +99,13 @@ def cases() -> list[tuple]:
     return c
 
 
-def run(only: str = "") -> dict:
-    copy_gbs = timing.copy_bandwidth_gbs()
-    empty = timing.graph_us(timing.empty_kernel())
-    rows = []
+def run(only: str = "") -> timing.BandwidthReport:
+    report = timing.BandwidthReport()
     for name, ratio, hd, seq, ext, state_dtype in cases():
-        if only not in name:
-            continue
-        case = Case(name, ratio, hd, seq, ext, ext is None, state_dtype)
-        eager = timing.event_us(case)
-        graph = timing.graph_us(case)
-        best = min(eager, graph)
-        gbs = case.bytes / (best * 1e-6) / 1e9
-        rows.append({"case": case.name, "bytes": case.bytes, "eager_us": eager, "graph_us": graph, "gbs": gbs,
-                     "pct_copy": 100 * gbs / copy_gbs})
-    return {"copy_gbs": copy_gbs, "empty_kernel_graph_us": empty, "rows": rows}
+        if only in name:
+            case = Case(name, ratio, hd, seq, ext, ext is None, state_dtype)
+            report.measure(case.name, case.bytes, case)
+    return report
 
 
 def main(argv=None) -> None:
@@ -121,16 +113,11 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = p.parse_args(argv)
-    res = run(args.only)
+    report = run(args.only)
     if args.json:
-        print(json.dumps(res, indent=1))
-        return
-    print(f"device copy bandwidth {res['copy_gbs']:.0f} GB/s; empty kernel (graph replay) "
-          f"{res['empty_kernel_graph_us']:.2f} µs")
-    print(f"{'case':40s} {'MB':>8s} {'eager µs':>9s} {'graph µs':>9s} {'GB/s':>7s} {'% copy':>7s}")
-    for r in res["rows"]:
-        print(f"{r['case']:40s} {r['bytes'] / 1e6:8.2f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} {r['gbs']:7.0f} "
-              f"{r['pct_copy']:6.1f}%")
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        report.print()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class Case:
         locs = torch.randperm(pages * page_size)[:rows]
         if decode:
             zeros = torch.zeros(rows, dtype=torch.int64)
-            self.plan = CompressorDecodePlan(ratio, plan_layout.encode_decode_plan(seq_len, zeros, zeros, zeros).to(dev))
+            plan_d = plan_layout.encode_decode_plan(seq_len, zeros, zeros, zeros).to(dev)
+            self.plan = CompressorDecodePlan(ratio, plan_d)
             self.out_loc = locs.to(dev)
         else:  # one event per ratio tokens: ragged ids spread over a step of rows * ratio tokens
             ragged = torch.arange(rows, dtype=torch.int64) * ratio + ratio - 1
@@ -58,35 +59,25 @@ class Case:
                                  use_fp4=self.use_fp4)
 
 
-def run() -> dict:
-    copy_gbs = timing.copy_bandwidth_gbs()
-    empty = timing.graph_us(timing.empty_kernel())
-    rows = []
+def run() -> timing.BandwidthReport:
+    report = timing.BandwidthReport()
     for fmt in ("v4_fp8", "indexer_fp8", "indexer_fp4"):
         for decode in (False, True):
             for n in (16, 256, 2048, 16384):
                 case = Case(fmt, n, decode)
-                eager, graph = timing.event_us(case), timing.graph_us(case)
-                gbs = case.bytes / (min(eager, graph) * 1e-6) / 1e9
-                rows.append({"case": case.name, "bytes": case.bytes, "eager_us": eager, "graph_us": graph,
-                             "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs, "over_empty_us": graph - empty})
-    return {"copy_gbs": copy_gbs, "empty_kernel_graph_us": empty, "rows": rows}
+                report.measure(case.name, case.bytes, case)
+    return report
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    res = run()
+    report = run()
     if args.json:
-        print(json.dumps(res, indent=1))
-        return
-    print(f"device copy bandwidth {res['copy_gbs']:.0f} GB/s; empty kernel (graph replay) "
-          f"{res['empty_kernel_graph_us']:.2f} µs")
-    print(f"{'case':34s} {'MB':>8s} {'eager µs':>9s} {'graph µs':>9s} {'-empty':>7s} {'GB/s':>7s} {'% copy':>7s}")
-    for r in res["rows"]:
-        print(f"{r['case']:34s} {r['bytes'] / 1e6:8.3f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} "
-              f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}%")
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        report.print()
 
 
 if __name__ == "__main__":

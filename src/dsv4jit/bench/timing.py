@@ -99,3 +99,30 @@ def empty_kernel() -> Callable[[], object]:
     out = torch.empty_like(x)
     fn = runtime.function("selftest", "affine", x.device, dtype="fp32")
     return lambda: fn(x, out, 1.0, 0.0)
+
+
+class BandwidthReport:
+    """Rows of (case, bytes moved, eager and graph-replay µs, GB/s, % of the copy bandwidth)."""
+
+    def __init__(self) -> None:
+        self.copy_gbs = copy_bandwidth_gbs()
+        self.empty_us = graph_us(empty_kernel())
+        self.rows: list[dict] = []
+
+    def measure(self, name: str, nbytes: int, fn: Callable[[], object]) -> None:
+        eager, graph = event_us(fn), graph_us(fn)
+        gbs = nbytes / (min(eager, graph) * 1e-6) / 1e9
+        self.rows.append({"case": name, "bytes": nbytes, "eager_us": eager, "graph_us": graph,
+                          "over_empty_us": graph - self.empty_us, "gbs": gbs, "pct_copy": 100 * gbs / self.copy_gbs})
+
+    def as_dict(self) -> dict:
+        return {"copy_gbs": self.copy_gbs, "empty_kernel_graph_us": self.empty_us, "rows": self.rows}
+
+    def print(self) -> None:
+        print(f"device copy bandwidth {self.copy_gbs:.0f} GB/s; empty kernel (graph replay) {self.empty_us:.2f} µs")
+        width = max([len(r["case"]) for r in self.rows] + [4])
+        print(f"{'case':{width}s} {'MB':>8s} {'eager µs':>9s} {'graph µs':>9s} {'-empty':>7s} {'GB/s':>7s} "
+              f"{'% copy':>7s}")
+        for r in self.rows:
+            print(f"{r['case']:{width}s} {r['bytes'] / 1e6:8.3f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} "
+                  f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}%")

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/container/tuple.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
@@ -205,8 +204,6 @@ __global__ __launch_bounds__(kThreads) void decode_kernel(const __grid_constant_
 
 template <bool kPDL>
 struct Planner {
-  using Pair = tvm::ffi::Tuple<int64_t, int64_t>;
-
   /// Status word for checked mode: int32 [1] on the plans' device, or None.
   static int32_t* status_ptr(const char* op, const Optional<TensorView>& status, Device& dev) {
     if (!status.has_value()) return nullptr;
@@ -247,53 +244,43 @@ struct Planner {
            RequestTable<0>{});
   }
 
-  /// CPU-input prefill: lengths on the host, plans on the device with at least the needed rows
-  /// (capacity); returns (num_c, num_w). With use_cuda_graph the plans have num_q_tokens rows and
-  /// the rest are invalid. Request tables ride in kernel parameters, chunked by size class.
-  static Pair prefill_host_lengths(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+  /// CPU-input prefill: lengths on the host, plans on the device with room for the rows (see
+  /// prefill_counts); with use_cuda_graph the plans have num_q_tokens rows, invalid past the counts.
+  /// Request tables ride in kernel parameters (no staging copy), chunked by size class.
+  static void prefill_host_lengths(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                    Optional<TensorView> full_to_state, TensorView seq_lens, TensorView extend_lens,
                                    TensorView plan_c, TensorView plan_w, Optional<TensorView> status,
                                    int64_t num_q_tokens, int64_t compress_ratio, int64_t swa_page_size,
                                    int64_t ring_size, bool use_req_ring, bool legacy, bool use_cuda_graph) {
     const char* op = "plan_prefill";
-    const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
-    Size batch{"batch_size"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Device dev;
+    HostPrefill h = checked_host_prefill(op, req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
+                                         plan_c, plan_w, num_q_tokens, compress_ratio, swa_page_size, ring_size,
+                                         use_req_ring, legacy, use_cuda_graph, true);
     PrefillParams p{};
-    p.tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
-    std::vector<RequestEntry> table;
-    const Totals totals = build_request_table(op, g, seq_lens, extend_lens, batch, num_q_tokens, table);
-    check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(CompressPlan), dev, true);
-    check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WritePlan), dev, true);
-    const int64_t need_c = use_cuda_graph ? num_q_tokens : totals.num_c;
-    const int64_t need_w = use_cuda_graph ? num_q_tokens : totals.num_w;
-    expect(rows_c.value >= need_c, op, "plan_c", [&] { return "at least " + std::to_string(need_c) + " rows"; }, rows_c.value);
-    expect(rows_w.value >= need_w, op, "plan_w", [&] { return "at least " + std::to_string(need_w) + " rows"; }, rows_w.value);
-    p.g = g;
-    p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
-    p.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());
-    p.cap_c = static_cast<uint32_t>(need_c);
-    p.cap_w = static_cast<uint32_t>(need_w);
+    p.g = h.g;
+    p.tables = h.tables;
+    p.plan_c = h.plan_c;
+    p.plan_w = h.plan_w;
+    p.cap_c = h.cap_c;
+    p.cap_w = h.cap_w;
     p.max_tokens = static_cast<uint32_t>(num_q_tokens);
-    p.status = status_ptr(op, status, dev);
-    const uint32_t B = static_cast<uint32_t>(batch.value);
+    p.status = status_ptr(op, status, h.dev);
     uint32_t b0 = 0;
     do {  // at least once, so that padding happens even for an empty batch
-      const uint32_t n = std::min<uint32_t>(B - b0, kMaxDeviceBatch);
+      const uint32_t n = std::min<uint32_t>(h.batch - b0, kMaxDeviceBatch);
       p.num_requests = n;
       p.batch_offset = b0;
-      p.pad = use_cuda_graph && b0 + n == B;
+      p.pad = use_cuda_graph && b0 + n == h.batch;
       if (p.pad) {  // the last chunk also covers every padding row (indices are rows and tokens)
         p.token_begin = 0;
         p.index_count = static_cast<uint32_t>(num_q_tokens);
       } else {
-        p.token_begin = table[b0].ragged_base;
-        p.index_count = table[b0 + n].ragged_base - p.token_begin;
+        p.token_begin = h.table[b0].ragged_base;
+        p.index_count = h.table[b0 + n].ragged_base - p.token_begin;
       }
-      launch_with_table(op, dev, p, table.data() + b0, n);
+      launch_with_table(op, h.dev, p, h.table.data() + b0, n);
       b0 += n;
-    } while (b0 < B);
-    return Pair(totals.num_c, totals.num_w);
+    } while (b0 < h.batch);
   }
 
   template <int kMax>

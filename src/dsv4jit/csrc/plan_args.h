@@ -130,6 +130,47 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
   return totals;
 }
 
+/// Everything a prefill from host-resident lengths needs, checked: the request table (entry B holds
+/// the totals) and plan tensors with room for the rows (all num_q_tokens rows with use_cuda_graph).
+struct HostPrefill {
+  Geometry g;
+  Tables tables;
+  Device dev;
+  std::vector<RequestEntry> table;
+  uint32_t batch = 0;
+  uint32_t cap_c = 0, cap_w = 0;  // rows to fill: the counts, or num_q_tokens with use_cuda_graph
+  CompressPlan* plan_c = nullptr;
+  WritePlan* plan_w = nullptr;
+};
+
+inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_pool_indices,
+                                        const Optional<TensorView>& req_to_token,
+                                        const Optional<TensorView>& full_to_state, const TensorView& seq_lens,
+                                        const TensorView& extend_lens, const TensorView& plan_c,
+                                        const TensorView& plan_w, int64_t num_q_tokens, int64_t compress_ratio,
+                                        int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy,
+                                        bool use_cuda_graph, bool on_cuda) {
+  HostPrefill h;
+  h.g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
+  Size batch{"batch_size"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+  h.tables = checked_tables(op, h.g, req_pool_indices, req_to_token, full_to_state, batch, h.dev, on_cuda);
+  const Totals totals = build_request_table(op, h.g, seq_lens, extend_lens, batch, num_q_tokens, h.table);
+  check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(CompressPlan), h.dev, on_cuda);
+  check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WritePlan), h.dev, on_cuda);
+  const int64_t cap_c = use_cuda_graph ? num_q_tokens : totals.num_c;
+  const int64_t cap_w = use_cuda_graph ? num_q_tokens : totals.num_w;
+  expect(rows_c.value >= cap_c, op, "plan_c", [&] { return "at least " + std::to_string(cap_c) + " rows"; },
+         rows_c.value);
+  expect(rows_w.value >= cap_w, op, "plan_w", [&] { return "at least " + std::to_string(cap_w) + " rows"; },
+         rows_w.value);
+  h.batch = static_cast<uint32_t>(batch.value);
+  h.cap_c = static_cast<uint32_t>(cap_c);
+  h.cap_w = static_cast<uint32_t>(cap_w);
+  h.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
+  h.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());
+  return h;
+}
+
 /// Row counts (num_c, num_w) of a prefill plan from host-resident lengths, validating them; lets
 /// the caller allocate exactly-sized plans before planning.
 inline tvm::ffi::Tuple<int64_t, int64_t> prefill_counts(TensorView seq_lens, TensorView extend_lens,

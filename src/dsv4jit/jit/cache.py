@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import env
 from .registry import Variant
-from .toolchain import Arch, Toolchain
+from .toolchain import Arch
 
 SCHEMA = 1
 KEY_CHARS = 20

@@ -77,6 +77,9 @@ class KernelSpec:
     def __post_init__(self) -> None:
         self._by_name.update({p.name: p for p in self.params})
 
+    def param(self, name: str) -> Param | None:
+        return self._by_name.get(name)
+
     def variant(self, **values: Any) -> "Variant":
         unknown = set(values) - set(self._by_name)
         if unknown:

@@ -77,7 +77,8 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
     if out.dtype not in _IO_DTYPES:
         raise TypeError(f"out: expected dtype float32/bfloat16/float16, got {out.dtype}")
     if kv_score_buffer.shape[-1] != last_dim or kv_score_buffer.numel() % (compress_ratio * last_dim):
-        raise ValueError(f"kv_score_buffer: expected shape [pages, {compress_ratio}, {last_dim}], got {list(kv_score_buffer.shape)}")
+        raise ValueError(f"kv_score_buffer: expected shape [pages, {compress_ratio}, {last_dim}], "
+                         f"got {list(kv_score_buffer.shape)}")
     if kv_score_input.dim() != 2 or kv_score_input.shape[1] != last_dim:
         raise ValueError(f"kv_score_input: expected shape [rows, {last_dim}], got {list(kv_score_input.shape)}")
     if list(ape.shape) != [wn, head_dim]:
@@ -86,7 +87,8 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
         raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
     devices = {t.device for t in (kv_score_buffer, kv_score_input, ape, out)}
     if len(devices) != 1:
-        raise TypeError(f"kv_score_buffer, kv_score_input, ape, out: expected one device, got {sorted(map(str, devices))}")
+        raise TypeError(f"kv_score_buffer, kv_score_input, ape, out: expected one device, "
+                        f"got {sorted(map(str, devices))}")
 
 
 def _check_index_range(name: str, index: torch.Tensor, size: int) -> None:
@@ -200,7 +202,8 @@ def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, he
     _check_tensors(kv_score_buffer, kv_score_input, ape, out, head_dim=head_dim,
                    compress_ratio=compress_ratio, out_rows=plan_c.shape[0])
     if kv_score_input.shape[0] < plan_w.shape[0]:
-        raise ValueError(f"kv_score_input: expected at least {plan_w.shape[0]} rows (plan_w rows), got {kv_score_input.shape[0]}")
+        raise ValueError(f"kv_score_input: expected at least {plan_w.shape[0]} rows (plan_w rows), "
+                         f"got {kv_score_input.shape[0]}")
     device = kv_score_buffer.device
     flat = _flat_state(kv_score_buffer, row_width(head_dim, compress_ratio))
 
