@@ -327,6 +327,17 @@ def test_info_check_without_gpu(run, warm_cache):
     assert SELFTEST_ID in info["check"]["detail"] and "not run" in info["check"]["detail"]
 
 
+def test_info_check_without_gpu_or_arch_builds_for_hopper(run, warm_cache, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the check targets the GPU's arch")
+    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
+    code, info = run_json(run, "info", "--check")
+    assert code == 0 and info["check"]["ok"] is True
+    assert "sm_90a (no GPU visible: default target" in info["check"]["detail"]
+
+
 def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
     code, out, err = run("info", "--check")
