@@ -15,20 +15,6 @@ DSV4_DEV T warp_sum(T x) {
   return x;
 }
 
-template <typename T>
-DSV4_DEV T warp_max(T x) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = max(x, __shfl_xor_sync(kFullMask, x, offset));
-  return x;
-}
-
-template <typename T>
-DSV4_DEV T warp_min(T x) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = min(x, __shfl_xor_sync(kFullMask, x, offset));
-  return x;
-}
-
 /// Inclusive prefix sum across the warp.
 template <typename T>
 DSV4_DEV T warp_inclusive_scan(T x) {
