@@ -31,10 +31,6 @@ def _dtype_name(t: torch.Tensor, arg: str, op: str = _OP) -> str:
                         f"got {t.dtype}") from None
 
 
-def _status(device: torch.device) -> Optional[torch.Tensor]:
-    return torch.zeros(1, dtype=torch.int32, device=device) if runtime.checks_enabled() else None
-
-
 _COMPRESS_STATUS = {1: "a plan row names a state page outside kv_score_buffer",
                     2: "a plan row names a ragged row outside kv_score_input",
                     4: "a plan row names a state row (write_loc) outside kv_score_buffer"}
@@ -43,10 +39,8 @@ _STORE_STATUS = {1: "an out_loc entry of a stored row lies outside kvcache",
                  4: "a plan row's ragged id lies beyond out_loc"}
 
 
-def _raise_status(status: Optional[torch.Tensor], op: str, texts: dict[int, str]) -> None:
-    if status is not None and (code := int(status.item())):
-        reasons = "; ".join(text for bit, text in texts.items() if code & bit)
-        raise ValueError(f"dsv4jit.{op} (checked mode): {reasons}")
+def _describe(texts: dict[int, str]):
+    return lambda code: "; ".join(text for bit, text in texts.items() if code & bit)
 
 
 def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
@@ -90,12 +84,12 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
                           device, head_dim=head_dim,
                           state=_dtype_name(kv_score_buffer, "kv_score_buffer"),
                           input=_dtype_name(kv_score_input, "kv_score_input"), output=_dtype_name(out, "out"))
-    status = _status(device)
+    status = runtime.status_word(device)
     if plan.is_decode:
         fn(kv_score_buffer, kv_score_input, ape, plan.plan_d, out, status)
     else:
         fn(kv_score_buffer, kv_score_input, ape, plan.plan_c, plan.plan_w, out, status)
-    _raise_status(status, _OP, _COMPRESS_STATUS)
+    runtime.raise_status(status, _OP, _describe(_COMPRESS_STATUS))
     return out
 
 
@@ -167,8 +161,8 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
                                            bf16_store=bf16_store)
         return
     fn = runtime.function("store", "run", device, dtype=_dtype_name(kv, "kv", op), format=fmt)
-    status = _status(device)
+    status = runtime.status_word(device)
     num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
     fn(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, status, page_size, ratio, plan.is_decode,
        float(norm_eps), num_q)
-    _raise_status(status, op, _STORE_STATUS)
+    runtime.raise_status(status, op, _describe(_STORE_STATUS))

@@ -18,15 +18,9 @@ from . import plan_layout, runtime
 _OP_PREFILL = "CompressorPrefillPlan.generate"
 
 
-def _check_status(status: torch.Tensor | None, describe, op: str) -> None:
-    if status is not None:
-        code = int(status.item())
-        if code:
-            raise ValueError(f"dsv4jit.{op} (checked mode): {describe(code)}")
-
-
-def _status_word(device: torch.device) -> torch.Tensor | None:
-    return torch.zeros(1, dtype=torch.int32, device=device) if runtime.checks_enabled() else None
+def _describe(kernel: str, device: torch.device):
+    """The planner's own text for status bits, looked up only when there is something to report."""
+    return lambda code: runtime.function(kernel, "describe_status", device)(code)
 
 
 def _device_of(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.device:
@@ -53,7 +47,7 @@ def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_tok
                                                    extend_lens, plan_c, plan_w, num_q_tokens, *args, use_cuda_graph,
                                                    runtime.checks_enabled())
         return plan_c, plan_w
-    status = _status_word(device)
+    status = runtime.status_word(device)
     if seq_lens.device.type == "cuda":
         runtime.function(kernel, "prefill_device", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
                                                           extend_lens, plan_c, plan_w, status, *args)
@@ -61,7 +55,7 @@ def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_tok
         runtime.function(kernel, "prefill_host_lengths", device)(req_pool_indices, req_to_token, full_to_state,
                                                                 seq_lens, extend_lens, plan_c, plan_w, status,
                                                                 num_q_tokens, *args, use_cuda_graph)
-    _check_status(status, runtime.function(kernel, "describe_status", device), _OP_PREFILL)
+    runtime.raise_status(status, _OP_PREFILL, _describe(kernel, device))
     return plan_c, plan_w
 
 
@@ -74,10 +68,10 @@ def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_l
         runtime.function("plan_host", "decode", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
                                                          plan_d, *args, runtime.checks_enabled())
     else:
-        status = _status_word(device)
+        status = runtime.status_word(device)
         runtime.function("plan", "decode", device)(req_pool_indices, req_to_token, full_to_state, seq_lens, plan_d,
                                                    status, *args)
-        _check_status(status, runtime.function("plan", "describe_status", device), "CompressorDecodePlan.generate")
+        runtime.raise_status(status, "CompressorDecodePlan.generate", _describe("plan", device))
     return plan_d
 
 

@@ -47,3 +47,14 @@ def function(kernel: str, name: str, device: torch.device, **params):
         module = loader.load(spec.variant(**params), arch)
         fn = _FUNCTIONS[key] = getattr(module, name)
     return fn
+
+
+def status_word(device: torch.device) -> torch.Tensor | None:
+    """The int32 word a kernel ORs data-dependent violations into, in checked mode only."""
+    return torch.zeros(1, dtype=torch.int32, device=device) if checks_enabled() else None
+
+
+def raise_status(status: torch.Tensor | None, op: str, describe) -> None:
+    """Checked mode: sync, and raise ValueError with `describe(code)` if the kernel reported anything."""
+    if status is not None and (code := int(status.item())):
+        raise ValueError(f"dsv4jit.{op} (checked mode): {describe(code)}")

@@ -9,9 +9,6 @@ written once (pooled rows, ring rows), plus plans and ape.
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 
 from .. import plan_layout
@@ -109,15 +106,7 @@ def run(only: str = "") -> timing.BandwidthReport:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--only", default="", help="run the cases whose name contains this text")
-    args = p.parse_args(argv)
-    report = run(args.only)
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
-    else:
-        report.print()
+    timing.bandwidth_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

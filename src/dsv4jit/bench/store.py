@@ -1,15 +1,12 @@
 """compress_norm_rope_store throughput: µs, bytes moved, GB/s, % of copy bandwidth.
 
-    python -m dsv4jit.bench.store [--json]
+    python -m dsv4jit.bench.store [--json] [--only TEXT]
 
 Bytes: each compressed row read once (plus its plan row, out_loc entry and rope-table row), each
 stored token's cache bytes written once, the norm weight once.
 """
 
 from __future__ import annotations
-
-import argparse
-import json
 
 import torch
 
@@ -25,7 +22,6 @@ _TOKEN_BYTES = {"v4_fp8": 576 + 7, "indexer_fp8": 132, "indexer_fp4": 68}
 class Case:
     def __init__(self, fmt: str, rows: int, decode: bool, page_size: int = 64, ratio: int = 4):
         dev = torch.device("cuda")
-        self.name = f"{'decode' if decode else 'prefill'} {fmt} N={rows}"
         hd = 512 if fmt.startswith("v4") else 128
         self.kv = torch.randn(rows, hd, device=dev)
         self.weight = torch.rand(hd, device=dev) + 0.5
@@ -59,25 +55,20 @@ class Case:
                                  use_fp4=self.use_fp4)
 
 
-def run() -> timing.BandwidthReport:
+def run(only: str = "") -> timing.BandwidthReport:
     report = timing.BandwidthReport()
     for fmt in ("v4_fp8", "indexer_fp8", "indexer_fp4"):
         for decode in (False, True):
             for n in (16, 256, 2048, 16384):
-                case = Case(fmt, n, decode)
-                report.measure(case.name, case.bytes, case)
+                name = f"{'decode' if decode else 'prefill'} {fmt} N={n}"
+                if only in name:
+                    case = Case(fmt, n, decode)
+                    report.measure(name, case.bytes, case)
     return report
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    report = run()
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
-    else:
-        report.print()
+    timing.bandwidth_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

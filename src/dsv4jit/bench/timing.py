@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from typing import Callable
@@ -126,3 +128,16 @@ class BandwidthReport:
         for r in self.rows:
             print(f"{r['case']:{width}s} {r['bytes'] / 1e6:8.3f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} "
                   f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}%")
+
+
+def bandwidth_main(description: str, run: Callable[[str], BandwidthReport], argv=None) -> None:
+    """Command line of a bandwidth benchmark: ``[--json] [--only TEXT]``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    args = p.parse_args(argv)
+    report = run(args.only)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        report.print()
