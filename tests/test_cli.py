@@ -354,3 +354,34 @@ def test_info_variant_shows_the_key_document(run, warm_cache):
     [item] = info["variant"]
     assert item["key"] == warm_cache.key
     assert item["document"] == cache.read_manifest(warm_cache.entry)["document"]
+
+
+# --------------------------------------------------------------------------------------------
+# demo and bench (their own behaviour is tested in test_demo.py and test_bench_report.py)
+
+
+def test_help_lists_every_subcommand(run):
+    with pytest.raises(SystemExit) as exit_:
+        run("--help")
+    assert exit_.value.code == 0
+    out = cli.build_parser().format_help()
+    for name in ("demo", "bench", "precompile", "list", "clean", "info"):
+        assert name in out
+
+
+def test_bench_list_names_the_benchmark_modules(run):
+    code, payload = run_json(run, "bench", "--list")
+    assert code == 0
+    assert {"compress", "store", "plan", "overhead"} <= set(payload["benchmarks"])
+    code, payload = run_json(run, "bench", "--list", "--bench", "plan")
+    assert payload["benchmarks"] == ["plan"]
+
+
+def test_bench_usage_errors_exit_2(run, monkeypatch):
+    code, _, err = run("bench", "--bench", "nosuch", "--out", "x")
+    assert code == 2 and "unknown benchmark nosuch" in err
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run("bench", "--out", "x")
+    assert code == 2 and "needs a CUDA GPU" in err

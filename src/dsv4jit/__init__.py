@@ -14,8 +14,10 @@ _EXPORTS = {
     "CompressorPrefillPlan": "dsv4jit.plan",
     "CompressorDecodePlan": "dsv4jit.plan",
     "compress_forward": "dsv4jit.ops",
+    "compress_and_store": "dsv4jit.ops",
     "compress_norm_rope_store": "dsv4jit.ops",
     "set_checks": "dsv4jit.runtime",
+    "warmup": "dsv4jit.preload",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,6 +1,6 @@
-"""``python -m dsv4jit`` / ``dsv4jit``: precompile, list, clean, info.
+"""``python -m dsv4jit`` / ``dsv4jit``: demo, bench, precompile, list, clean, info.
 
-Exit codes: 0 success; 1 a build (or check) failed; 2 usage or toolchain error.
+Exit codes: 0 success; 1 a build, check or demo comparison failed; 2 usage or toolchain error.
 """
 
 from __future__ import annotations
@@ -388,6 +388,47 @@ def _self_check(args) -> dict:
         return {"ok": False, "detail": str(e)}
 
 
+def cmd_demo(args) -> int:
+    from .demo import run
+
+    device = run.resolve_device(args.device)
+    config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                            chunk=args.chunk, decode_steps=args.decode_steps, layers=args.layers, seed=args.seed,
+                            indexer_fp8=args.indexer_fp8 or None, graph=False if args.eager else None,
+                            decode_plans=args.decode_plans, check=False if args.no_check else None)
+    progress = not args.no_progress and sys.stderr.isatty()
+    result = run.run_demo(config, str(device), progress=progress)
+    _emit(args, result.as_dict(), run.format_result(result))
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def cmd_bench(args) -> int:
+    from .bench import report
+
+    names = report.discover()
+    unknown = sorted(set(args.bench or []) - set(names))
+    if unknown:
+        raise UsageError(f"unknown benchmark {', '.join(unknown)}; known: {', '.join(names)}")
+    names = [n for n in names if not args.bench or n in args.bench]
+    if args.list:
+        _emit(args, {"benchmarks": names}, names)
+        return EXIT_OK
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("bench needs a CUDA GPU; none is visible")
+    if not args.out:
+        raise UsageError("bench needs --out DIR (or --list)")
+    rows = report.run_benchmarks(names, args.only, on_start=lambda n: print(f"running dsv4jit.bench.{n}",
+                                                                            file=sys.stderr, flush=True))
+    header = (f"# dsv4jit benchmarks\n\n{torch.cuda.get_device_name()}, dsv4jit {__version__}, "
+              f"torch {torch.__version__}. \"% copy\" is against the measured device copy bandwidth.\n")
+    paths = report.write_report(rows, Path(args.out), header)
+    _emit(args, {"files": [str(p) for p in paths], "rows": [vars(r) for r in rows]},
+          [report.markdown(rows)] + [f"wrote {p}" for p in paths])
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -403,6 +444,32 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--param", action="append", metavar="NAME=VALUE",
                         help="keep variants with this parameter value, e.g. head_dim=512 (repeatable)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    pd = sub.add_parser("demo", help="run the compressors as a serving stack does and check the caches")
+    pd.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if visible, else cpu at a small size)")
+    pd.add_argument("--requests", type=int, help="number of requests")
+    pd.add_argument("--min-prompt", type=int, help="shortest prompt (tokens)")
+    pd.add_argument("--max-prompt", type=int, help="longest prompt (tokens)")
+    pd.add_argument("--chunk", type=int, help="prefill token budget per step (chunked prefill)")
+    pd.add_argument("--decode-steps", type=int, help="decode steps after the prefill")
+    pd.add_argument("--layers", type=int, help="layers, alternating compress ratio 4 and 128")
+    pd.add_argument("--seed", type=int, help="random seed (default 0)")
+    pd.add_argument("--indexer-fp8", action="store_true", help="indexer cache in fp8 instead of fp4")
+    pd.add_argument("--eager", action="store_true", help="decode without a CUDA graph")
+    pd.add_argument("--decode-plans", choices=("in-graph", "copy"),
+                    help="build decode plans inside the graph (default) or outside it and copy_ them in")
+    pd.add_argument("--no-check", action="store_true", help="skip the reference run and the comparison")
+    pd.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    pd.add_argument("--json", action="store_true", help="machine-readable result")
+    pd.set_defaults(func=cmd_demo)
+
+    pb = sub.add_parser("bench", help="run the kernel benchmarks; write markdown, CSV and PNG plots")
+    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png)")
+    pb.add_argument("--bench", action="append", help="run only this benchmark module (repeatable)")
+    pb.add_argument("--only", default="", help="run the cases whose name contains this text")
+    pb.add_argument("--list", action="store_true", help="list the benchmark modules and exit")
+    pb.add_argument("--json", action="store_true")
+    pb.set_defaults(func=cmd_bench)
 
     pc = sub.add_parser("precompile", help="build variants into the cache")
     selection(pc)

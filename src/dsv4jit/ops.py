@@ -1,5 +1,8 @@
 """Public ops. CUDA tensors run the kernels; CPU tensors run the torch references (same results
 within the precision contract), so the API works on a machine without a GPU.
+
+Each public op checks its arguments, unpacks the plan and allocates its output, then calls one
+custom op (library.py) that takes only tensors and scalars: what torch.compile records.
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import runtime
+from . import library, runtime
 from .plan import CompressorDecodePlan, CompressorPrefillPlan
 from .reference import compress as ref_compress
 from .reference import store as ref_store
@@ -20,7 +23,10 @@ _OP = "compress_forward"
 def _cuda_device(*tensors: Optional[torch.Tensor]) -> Optional[torch.device]:
     """Kernels run when any tensor is on a GPU (their checks then name a tensor left on the CPU, so a
     device mix is an error, never a silent fallback to the reference); None when all are on the CPU."""
-    return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), None)
+    for t in tensors:
+        if t is not None and t.is_cuda:  # not t.device.type: that builds a device object per tensor
+            return t.device
+    return None
 
 
 def _dtype_name(t: torch.Tensor, arg: str, op: str = _OP) -> str:
@@ -57,48 +63,59 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     with plan_c row i (invalid rows untouched); decode rows off a compress boundary are zero.
     """
     if is_online:
-        raise NotImplementedError("dsv4jit: the online c128 compressor is not available in this version")
+        from .online import compress_forward_online  # online.py builds on this module's helpers
+
+        return compress_forward_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim,
+                                       compress_ratio=compress_ratio, out=out)
     if compress_ratio not in (4, 128):
         raise ValueError(f"dsv4jit.{_OP}: argument 'compress_ratio' must be 4 or 128, got {compress_ratio}")
     if plan.compress_ratio != compress_ratio:
         raise ValueError(f"dsv4jit.{_OP}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
                          f"got compress_ratio {compress_ratio}")
-    last_dim = (4 if compress_ratio == 4 else 2) * head_dim
-    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == last_dim and kv_score_buffer.is_contiguous():
-        kv_score_buffer = kv_score_buffer.view(-1, compress_ratio, last_dim)
     if not ape.dtype.is_floating_point:
         raise TypeError(f"dsv4jit.{_OP}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
     if ape.dtype != kv_score_input.dtype:
         ape = ape.to(kv_score_input.dtype)
-    device = _cuda_device(kv_score_buffer, kv_score_input, ape, out, plan[1],
-                          None if plan.is_decode else plan.plan_w)
-    if out is None:
-        out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype,
-                          device=device or kv_score_input.device)
+    if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
+        out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
+    _compress(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
+              head_dim, compress_ratio, plan.is_decode)
+    return out
+
+
+@library.custom_op("compress", mutates_args=("kv_score_buffer", "out"))
+def _compress(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,
+              plan_w: Optional[torch.Tensor], out: torch.Tensor, head_dim: int, compress_ratio: int,
+              is_decode: bool) -> None:
+    """compress_forward on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode)."""
+    last_dim = (4 if compress_ratio == 4 else 2) * head_dim
+    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == last_dim and kv_score_buffer.is_contiguous():
+        kv_score_buffer = kv_score_buffer.view(-1, compress_ratio, last_dim)
+    device = _cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
     if device is None:
-        return _reference(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out)
+        _reference(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, head_dim, compress_ratio, out)
+        return
     if kv_score_buffer.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
                         f"got {kv_score_buffer.dtype}")
-    fn = runtime.function(f"compress_c{compress_ratio}", "decode" if plan.is_decode else "prefill",
+    fn = runtime.function(f"compress_c{compress_ratio}", "decode" if is_decode else "prefill",
                           device, head_dim=head_dim,
                           state=_dtype_name(kv_score_buffer, "kv_score_buffer"),
                           input=_dtype_name(kv_score_input, "kv_score_input"), output=_dtype_name(out, "out"))
     status = runtime.status_word(device)
-    if plan.is_decode:
-        fn(kv_score_buffer, kv_score_input, ape, plan.plan_d, out, status)
+    if is_decode:
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
     else:
-        fn(kv_score_buffer, kv_score_input, ape, plan.plan_c, plan.plan_w, out, status)
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
     runtime.raise_status(status, _OP, _describe(_COMPRESS_STATUS))
-    return out
 
 
-def _reference(buffer, inputs, ape, plan, head_dim, ratio, out):
-    if plan.is_decode:
-        return ref_compress.compress_decode(buffer, inputs, ape, plan.plan_d, head_dim=head_dim,
-                                            compress_ratio=ratio, out=out)
-    return ref_compress.compress_prefill(buffer, inputs, ape, plan.plan_c, plan.plan_w, head_dim=head_dim,
-                                         compress_ratio=ratio, out=out)
+def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> None:
+    if plan_w is None:
+        ref_compress.compress_decode(buffer, inputs, ape, plan_rows, head_dim=head_dim, compress_ratio=ratio, out=out)
+    else:
+        ref_compress.compress_prefill(buffer, inputs, ape, plan_rows, plan_w, head_dim=head_dim, compress_ratio=ratio,
+                                      out=out)
 
 
 def _store_format(head_dim: int, use_fp4: bool, bf16_store: bool) -> str:
@@ -114,20 +131,28 @@ def _store_format(head_dim: int, use_fp4: bool, bf16_store: bool) -> str:
     raise ValueError(f"dsv4jit.{op}: argument 'kv': head_dim (kv.shape[1]) must be 512 or 128, got {head_dim}")
 
 
-def _check_out_loc(op: str, plan, out_loc: torch.Tensor, rows: int) -> None:
-    if plan.is_decode and out_loc.shape[0] != rows:
+def _check_out_loc(op: str, is_decode: bool, num_q_tokens: int, out_loc: torch.Tensor, rows: int) -> None:
+    if is_decode and out_loc.shape[0] != rows:
         raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have one entry per decode row ({rows}), "
                          f"got {out_loc.shape[0]}")
-    if not plan.is_decode and plan.num_q_tokens is not None and out_loc.shape[0] < plan.num_q_tokens:
+    if not is_decode and out_loc.shape[0] < num_q_tokens:
         raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have at least num_q_tokens "
-                         f"({plan.num_q_tokens}) entries, got {out_loc.shape[0]}")
+                         f"({num_q_tokens}) entries, got {out_loc.shape[0]}")
 
 
 def _freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
-    """complex64 [max_pos, 32] -> fp32 [max_pos, 64] of interleaved (cos, sin): a view, no copy."""
+    """complex64 [max_pos, 32] -> fp32 [max_pos, 64] of interleaved (cos, sin): a view, no copy.
+
+    The custom ops take this real table: inductor cannot lower a mutating op with a complex operand.
+    """
     if freq_cis.is_complex():
         return torch.view_as_real(freq_cis).reshape(freq_cis.shape[0], -1)
     return freq_cis
+
+
+def _freq_cis(freq_table: torch.Tensor) -> torch.Tensor:
+    """The complex view of a real (cos, sin) table, for the torch references."""
+    return torch.view_as_complex(freq_table.reshape(freq_table.shape[0], -1, 2))
 
 
 def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *,
@@ -149,20 +174,107 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     if kv.dim() != 2:
         raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
     fmt = _store_format(kv.shape[1], use_fp4, bf16_store)
-    ratio = plan.compress_ratio
     if norm_weight.dtype != kv.dtype:
         norm_weight = norm_weight.to(kv.dtype)
-    device = _cuda_device(kv, plan[1], norm_weight, freq_cis, out_loc, kvcache)
-    if device is None:
-        _check_out_loc(op, plan, out_loc, kv.shape[0])  # the kernels' entry points check this themselves
-        ref_store.compress_norm_rope_store(kv, plan[1], is_decode=plan.is_decode, compress_ratio=ratio,
-                                           norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis,
-                                           out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
-                                           bf16_store=bf16_store)
-        return
-    fn = runtime.function("store", "run", device, dtype=_dtype_name(kv, "kv", op), format=fmt)
-    status = runtime.status_word(device)
     num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
-    fn(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, status, page_size, ratio, plan.is_decode,
-       float(norm_eps), num_q)
+    _norm_rope_store(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
+                     plan.compress_ratio, plan.is_decode, float(norm_eps), num_q)
+
+
+@library.custom_op("norm_rope_store", mutates_args=("kvcache",))
+def _norm_rope_store(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
+                     out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int,
+                     compress_ratio: int, is_decode: bool, norm_eps: float, num_q_tokens: int) -> None:
+    """compress_norm_rope_store on unpacked plan rows (freq: the real (cos, sin) table; num_q_tokens -1:
+    not recorded by the plan)."""
+    op = "compress_norm_rope_store"
+    device = _cuda_device(kv, plan_rows, norm_weight, freq, out_loc, kvcache)
+    if device is None:
+        _check_out_loc(op, is_decode, num_q_tokens, out_loc, kv.shape[0])  # the kernels check this themselves
+        ref_store.compress_norm_rope_store(kv, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
+                                           norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=_freq_cis(freq),
+                                           out_loc=out_loc, kvcache=kvcache, page_size=page_size,
+                                           use_fp4=store_format == "indexer_fp4", bf16_store=store_format == "v4_bf16")
+        return
+    fn = runtime.function("store", "run", device, dtype=_dtype_name(kv, "kv", op), format=store_format)
+    status = runtime.status_word(device)
+    fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
+       is_decode, norm_eps, num_q_tokens)
     runtime.raise_status(status, op, _describe(_STORE_STATUS))
+
+
+def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+                       plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *, head_dim: int,
+                       compress_ratio: int, norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
+                       out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, use_fp4: bool = False,
+                       bf16_store: bool = False, is_online: bool = False) -> None:
+    """compress_forward followed by compress_norm_rope_store, fused: the pooled rows go straight from
+    registers to the cache and never reach memory. Same arguments as the two ops (the compressed rows
+    take the input dtype, fp32 or bf16); caches and states are byte-identical to the two-step path.
+
+    Decode is one kernel launch; prefill is the fused pool-and-store kernel followed by the state-ring
+    write pass (this step's ring writes may alias rows the pooling reads, so they must come after it).
+    """
+    op = "compress_and_store"
+    if is_online:
+        raise NotImplementedError(f"dsv4jit.{op}: the online c128 compressor is not available in this version")
+    if compress_ratio not in (4, 128):
+        raise ValueError(f"dsv4jit.{op}: argument 'compress_ratio' must be 4 or 128, got {compress_ratio}")
+    if plan.compress_ratio != compress_ratio:
+        raise ValueError(f"dsv4jit.{op}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
+                         f"got compress_ratio {compress_ratio}")
+    fmt = _store_format(head_dim, use_fp4, bf16_store)
+    if compress_ratio == 128 and head_dim != 512:
+        raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with compress_ratio 128 (the V4 cache "
+                         f"formats), got {head_dim}")
+    if not ape.dtype.is_floating_point:
+        raise TypeError(f"dsv4jit.{op}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
+    if ape.dtype != kv_score_input.dtype:
+        ape = ape.to(kv_score_input.dtype)
+    if norm_weight.dtype != kv_score_input.dtype:
+        norm_weight = norm_weight.to(kv_score_input.dtype)
+    num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
+    _compress_and_store(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w,
+                        norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size, head_dim,
+                        compress_ratio, plan.is_decode, float(norm_eps), num_q)
+
+
+@library.custom_op("compress_and_store", mutates_args=("kv_score_buffer", "kvcache"))
+def _compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+                        plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                        freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str,
+                        page_size: int, head_dim: int, compress_ratio: int, is_decode: bool, norm_eps: float,
+                        num_q_tokens: int) -> None:
+    """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
+    op = "compress_and_store"
+    last_dim = (4 if compress_ratio == 4 else 2) * head_dim
+    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == last_dim and kv_score_buffer.is_contiguous():
+        kv_score_buffer = kv_score_buffer.view(-1, compress_ratio, last_dim)
+    device = _cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache)
+    if device is None:  # the reference of the two steps
+        rows = torch.empty((plan_rows.shape[0], head_dim), dtype=kv_score_input.dtype)
+        _compress.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
+                       is_decode)
+        _norm_rope_store.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size,
+                              compress_ratio, is_decode, norm_eps, num_q_tokens)
+        return
+    if kv_score_buffer.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"dsv4jit.{op}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
+                        f"got {kv_score_buffer.dtype}")
+    if kv_score_input.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"dsv4jit.{op}: argument 'kv_score_input': dtype must be float32 or bfloat16, "
+                        f"got {kv_score_input.dtype}")
+    fn = runtime.function("fused", "decode" if is_decode else "prefill", device, ratio=compress_ratio,
+                          format=store_format, state=_dtype_name(kv_score_buffer, "kv_score_buffer", op),
+                          input=_dtype_name(kv_score_input, "kv_score_input", op))
+    status = torch.zeros(2, dtype=torch.int32, device=device) if runtime.checks_enabled() else None
+    if is_decode:
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size,
+           norm_eps)
+    else:
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
+           page_size, norm_eps, num_q_tokens)
+    if status is not None:  # word 0: compress violations, word 1: store violations
+        runtime.raise_status(status[0] | (status[1] << 8), op,
+                             lambda code: "; ".join(filter(None, (_describe(_COMPRESS_STATUS)(code & 0xFF),
+                                                                  _describe(_STORE_STATUS)(code >> 8)))))

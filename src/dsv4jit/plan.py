@@ -16,6 +16,7 @@ import torch
 from . import plan_layout, runtime
 
 _OP_PREFILL = "CompressorPrefillPlan.generate"
+_OP_DECODE = "CompressorDecodePlan.generate"
 
 
 def _describe(kernel: str, device: torch.device):
@@ -31,47 +32,54 @@ def _device_of(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.
 
 def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,
              ring_size, num_q_tokens, use_cuda_graph, use_req_ring, legacy):
-    num_q_tokens = int(num_q_tokens)
-    device = _device_of(req_pool_indices, seq_lens)
     args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
+    return _plan_prefill("prefill", _OP_PREFILL, (req_pool_indices, req_to_token, full_to_state), args, seq_lens,
+                         extend_lens, num_q_tokens, use_cuda_graph, plan_layout.WRITE_PLAN_BYTES)
+
+
+def _plan_prefill(entry, op, tables, args, seq_lens, extend_lens, num_q_tokens, use_cuda_graph, write_row_bytes):
+    """One planner family's prefill entry points (`entry`, `entry`_counts/_device/_host_lengths): the path
+    by where lengths and lookup tables (`tables`, led by req_pool_indices) live."""
+    num_q_tokens = int(num_q_tokens)
+    device = _device_of(tables[0], seq_lens)
     kernel = "plan" if device.type == "cuda" else "plan_host"
     if seq_lens.device.type == "cuda" or use_cuda_graph:  # bucket-sized plans, invalid past the counts
         rows_c = rows_w = num_q_tokens
     else:  # lengths on the host: count first (O(batch)) so the plans get their exact shapes
-        rows_c, rows_w = runtime.function(kernel, "prefill_counts", device)(seq_lens, extend_lens, num_q_tokens,
-                                                                             *args)
+        rows_c, rows_w = runtime.function(kernel, entry + "_counts", device)(seq_lens, extend_lens, num_q_tokens,
+                                                                              *args)
     plan_c = torch.empty((rows_c, 16), dtype=torch.uint8, device=device)
-    plan_w = torch.empty((rows_w, 8), dtype=torch.uint8, device=device)
+    plan_w = torch.empty((rows_w, write_row_bytes), dtype=torch.uint8, device=device)
     if device.type == "cpu":
-        runtime.function(kernel, "prefill", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
-                                                   extend_lens, plan_c, plan_w, num_q_tokens, *args, use_cuda_graph,
-                                                   runtime.checks_enabled())
+        runtime.function(kernel, entry, device)(*tables, seq_lens, extend_lens, plan_c, plan_w, num_q_tokens, *args,
+                                               use_cuda_graph, runtime.checks_enabled())
         return plan_c, plan_w
     status = runtime.status_word(device)
     if seq_lens.device.type == "cuda":
-        runtime.function(kernel, "prefill_device", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
-                                                          extend_lens, plan_c, plan_w, status, *args)
+        runtime.function(kernel, entry + "_device", device)(*tables, seq_lens, extend_lens, plan_c, plan_w, status,
+                                                           *args)
     else:
-        runtime.function(kernel, "prefill_host_lengths", device)(req_pool_indices, req_to_token, full_to_state,
-                                                                seq_lens, extend_lens, plan_c, plan_w, status,
-                                                                num_q_tokens, *args, use_cuda_graph)
-    runtime.raise_status(status, _OP_PREFILL, _describe(kernel, device))
+        runtime.function(kernel, entry + "_host_lengths", device)(*tables, seq_lens, extend_lens, plan_c, plan_w,
+                                                                 status, num_q_tokens, *args, use_cuda_graph)
+    runtime.raise_status(status, op, _describe(kernel, device))
     return plan_c, plan_w
 
 
 def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size, ring_size,
             use_req_ring, legacy):
-    device = _device_of(req_pool_indices, seq_lens)
-    plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
     args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
+    return _plan_decode("decode", _OP_DECODE, (req_pool_indices, req_to_token, full_to_state), args, seq_lens)
+
+
+def _plan_decode(entry, op, tables, args, seq_lens):
+    device = _device_of(tables[0], seq_lens)
+    plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
     if device.type == "cpu":
-        runtime.function("plan_host", "decode", device)(req_pool_indices, req_to_token, full_to_state, seq_lens,
-                                                         plan_d, *args, runtime.checks_enabled())
+        runtime.function("plan_host", entry, device)(*tables, seq_lens, plan_d, *args, runtime.checks_enabled())
     else:
         status = runtime.status_word(device)
-        runtime.function("plan", "decode", device)(req_pool_indices, req_to_token, full_to_state, seq_lens, plan_d,
-                                                   status, *args)
-        runtime.raise_status(status, "CompressorDecodePlan.generate", _describe("plan", device))
+        runtime.function("plan", entry, device)(*tables, seq_lens, plan_d, status, *args)
+        runtime.raise_status(status, op, _describe("plan", device))
     return plan_d
 
 
@@ -132,8 +140,12 @@ class CompressorDecodePlan:
         return cls(compress_ratio, plan_d)
 
     @classmethod
-    def generate_online(cls, *args, **kwargs) -> "CompressorDecodePlan":
-        raise NotImplementedError("dsv4jit: online c128 plans are not available in this version")
+    def generate_online(cls, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                        state_slot_offset: int = 0) -> "CompressorDecodePlan":
+        """Online c128 (§E): row b = {seq_len, rid + offset, rid + offset, -1} (state loaded and stored in place)."""
+        plan_d = _plan_decode("decode_online", _OP_DECODE + "_online", (req_pool_indices, req_to_token),
+                              (int(state_slot_offset),), seq_lens)
+        return cls(128, plan_d)
 
 
 @dataclass
@@ -167,9 +179,11 @@ class CompressorPrefillPlan:
         self.num_q_tokens = other.num_q_tokens
         return self
 
-    def rows(self) -> tuple[plan_layout.CompressRows, plan_layout.WriteRows]:
-        """Decoded fields (for debugging and tests)."""
-        return plan_layout.decode_compress_plan(self.plan_c), plan_layout.decode_write_plan(self.plan_w)
+    def rows(self) -> tuple[plan_layout.CompressRows, plan_layout.WriteRows | plan_layout.CompressRows]:
+        """Decoded fields (for debugging and tests); online plans hold segment rows in both."""
+        online = self.plan_w.dim() == 2 and self.plan_w.shape[1] == plan_layout.COMPRESS_PLAN_BYTES
+        decode_w = plan_layout.decode_compress_plan if online else plan_layout.decode_write_plan
+        return plan_layout.decode_compress_plan(self.plan_c), decode_w(self.plan_w)
 
     @classmethod
     def generate(cls, compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -192,5 +206,13 @@ class CompressorPrefillPlan:
         return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
 
     @classmethod
-    def generate_online(cls, *args, **kwargs) -> "CompressorPrefillPlan":
-        raise NotImplementedError("dsv4jit: online c128 plans are not available in this version")
+    def generate_online(cls, seq_lens: torch.Tensor, extend_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+                        req_to_token: torch.Tensor, num_q_tokens: int, use_cuda_graph: bool = False,
+                        state_slot_offset: int = 0) -> "CompressorPrefillPlan":
+        """Online c128 (§E): each request's extend range split at 128-chunk boundaries into segments;
+        plan_c holds the segments that close a chunk, plan_w the trailing partial ones (both 16-byte
+        CompressPlan rows: buffer_len = segment length, read_page_0 = rid + offset, read_page_1 = rid)."""
+        plan_c, plan_w = _plan_prefill("prefill_online", _OP_PREFILL + "_online", (req_pool_indices, req_to_token),
+                                       (int(state_slot_offset),), seq_lens, extend_lens, num_q_tokens,
+                                       use_cuda_graph, plan_layout.COMPRESS_PLAN_BYTES)
+        return cls(128, plan_c, plan_w, None, int(num_q_tokens))

@@ -10,6 +10,7 @@ import torch
 from . import env
 from .jit import loader
 from .jit.kernels import SPECS
+from .jit.registry import Variant
 from .jit.toolchain import Arch
 
 _FUNCTIONS: dict[tuple, object] = {}
@@ -35,16 +36,21 @@ def _arch(spec, device: torch.device) -> Arch:
     return loader.arch_for(device)
 
 
+def variant(kernel: str, arch: Arch, **params) -> Variant:
+    """The variant of `kernel` that `function` loads for `arch`: `pdl` defaults to sm_90+."""
+    spec = SPECS[kernel]
+    if spec.param("pdl") is not None:  # DSV4JIT_DISABLE_PDL wins over callers (debugging)
+        params = dict(params, pdl=params.get("pdl", arch.major >= 9) and not env.disable_pdl())
+    return spec.variant(**params)
+
+
 def function(kernel: str, name: str, device: torch.device, **params):
-    """The exported function `name` of `kernel` built for `device`; `pdl` defaults to sm_90+."""
+    """The exported function `name` of `kernel` built for `device` (its arch: devices may differ)."""
     key = (kernel, name, device, *params.items())  # callers pass params in a fixed order
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        spec = SPECS[kernel]
-        arch = _arch(spec, device)
-        if "pdl" in {p.name for p in spec.params}:  # DSV4JIT_DISABLE_PDL wins over callers (debugging)
-            params = dict(params, pdl=params.get("pdl", arch.major >= 9) and not env.disable_pdl())
-        module = loader.load(spec.variant(**params), arch)
+        arch = _arch(SPECS[kernel], device)
+        module = loader.load(variant(kernel, arch, **params), arch)
         fn = _FUNCTIONS[key] = getattr(module, name)
     return fn
 

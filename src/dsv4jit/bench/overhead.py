@@ -1,12 +1,14 @@
 """Host-side cost of each layer of a call (CPU µs per call, medians; the GPU runs behind).
 
-    python -m dsv4jit.bench.overhead
+    python -m dsv4jit.bench.overhead [--only TEXT]
 
 Separates torch allocation, the tvm-ffi call with its argument checks, the kernel launch, and the
 Python wrappers, so the cost of an op's eager call can be attributed.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -16,12 +18,14 @@ from ..plan import CompressorDecodePlan, CompressorPrefillPlan
 from . import timing
 
 
-def run() -> list[tuple[str, float]]:
+def run(only: str = "") -> list[timing.Row]:
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
 
     def add(name, fn):
-        rows.append((name, timing.host_us(fn)))
+        if only in name:
+            us = timing.host_us(fn)
+            rows.append(timing.Row("overhead", name, us, "host", times={"host": us}))
 
     add("torch.empty((256, 16), uint8)", lambda: torch.empty((256, 16), dtype=torch.uint8, device=dev))
     x1 = torch.randn(1, device=dev)
@@ -45,8 +49,9 @@ def run() -> list[tuple[str, float]]:
     host_lengths = runtime.function("plan", "prefill_host_lengths", dev)
     plan_c = torch.empty(2049, 16, dtype=torch.uint8, device=dev)
     plan_w = torch.empty(8192, 8, dtype=torch.uint8, device=dev)
-    add("  its ffi call alone", lambda: host_lengths(rpi1, big, big_f2s, seq_cpu, ext_cpu, plan_c, plan_w, None,
-                                                   8192, 4, 256, 8, False, False, False))
+    add("its ffi call alone: plan.prefill_host_lengths",
+        lambda: host_lengths(rpi1, big, big_f2s, seq_cpu, ext_cpu, plan_c, plan_w, None, 8192, 4, 256, 8, False, False,
+                             False))
     plan = CompressorDecodePlan.generate(4, rpi1, r2t, f2s, seq[:1], 256, 8)
     state = torch.randn(8192, 4, 2048, device=dev)
     inp = torch.randn(1, 2048, device=dev)
@@ -55,7 +60,7 @@ def run() -> list[tuple[str, float]]:
     add("compress_forward decode B=1 (out given)",
         lambda: compress_forward(state, inp, ape, plan, head_dim=512, compress_ratio=4, out=out))
     decode = runtime.function("compress_c4", "decode", dev, head_dim=512, state="fp32", input="fp32", output="fp32")
-    add("  its ffi call alone", lambda: decode(state, inp, ape, plan.plan_d, out, None))
+    add("its ffi call alone: compress_c4.decode", lambda: decode(state, inp, ape, plan.plan_d, out, None))
 
     kv = torch.randn(1, 512, device=dev)
     weight = torch.ones(512, device=dev)
@@ -69,8 +74,11 @@ def run() -> list[tuple[str, float]]:
 
 
 def main(argv=None) -> None:
-    for name, us in run():
-        print(f"{name:44s} {us:8.2f} µs")
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    args = p.parse_args(argv)
+    for row in run(args.only):
+        print(f"{row.case:44s} {row.us:8.2f} µs")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Planner latency: host+device (wall) and kernel-only (events), medians in µs.
 
-    python -m dsv4jit.bench.plan [--json]
+    python -m dsv4jit.bench.plan [--json] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _pool(batch: int, max_ctx: int, device):
     return req_pool_indices, req_to_token, full_to_state
 
 
-def prefill_case(name, ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=False):
+def prefill_case(name, ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=False) -> dict:
     dev = torch.device("cuda")
     batch, max_ctx = len(seq), max(seq) + 256
     rpi, r2t, f2s = _pool(batch, max_ctx, dev)
@@ -42,7 +42,7 @@ def prefill_case(name, ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=Fal
     return row
 
 
-def decode_case(name, ratio, batch, ring):
+def decode_case(name, ratio, batch, ring) -> dict:
     dev = torch.device("cuda")
     rpi, r2t, f2s = _pool(batch, 4096, dev)
     seq_t = torch.randint(1, 4000, (batch,), dtype=torch.int64, device=dev)
@@ -54,28 +54,44 @@ def decode_case(name, ratio, batch, ring):
             "graph_us": timing.graph_us(call)}
 
 
-def run() -> list[dict]:
-    rows = [
-        prefill_case("prefill c4 cpu-lengths 1x8192", 4, [8192], [8192], 8, False),
-        prefill_case("prefill c4 cpu-lengths 16x512", 4, [512] * 16, [512] * 16, 8, False),
-        prefill_case("prefill c128 cpu-lengths 1x8192", 128, [8192], [8192], 128, False),
-        prefill_case("prefill c4 gpu-lengths B=256 MTP E=4", 4, [1000 + 7 * i for i in range(256)], [4] * 256, 16,
-                     True),
-        prefill_case("prefill c4 gpu-lengths B=64 ragged", 4, [300 + 37 * i for i in range(64)],
-                     [1 + (13 * i) % 97 for i in range(64)], 8, True),
-        decode_case("decode c4 B=256", 4, 256, 8),
-    ]
+CASES = [
+    ("prefill c4 cpu-lengths 1x8192", lambda name: prefill_case(name, 4, [8192], [8192], 8, False)),
+    ("prefill c4 cpu-lengths 16x512", lambda name: prefill_case(name, 4, [512] * 16, [512] * 16, 8, False)),
+    ("prefill c128 cpu-lengths 1x8192", lambda name: prefill_case(name, 128, [8192], [8192], 128, False)),
+    ("prefill c4 gpu-lengths B=256 MTP E=4",
+     lambda name: prefill_case(name, 4, [1000 + 7 * i for i in range(256)], [4] * 256, 16, True)),
+    ("prefill c4 gpu-lengths B=64 ragged",
+     lambda name: prefill_case(name, 4, [300 + 37 * i for i in range(64)], [1 + (13 * i) % 97 for i in range(64)], 8,
+                               True)),
+    ("decode c4 B=256", lambda name: decode_case(name, 4, 256, 8)),
+]
+
+
+def measure(only: str = "") -> list[dict]:
+    rows = [make(name) for name, make in CASES if only in name]
     sync = timing.sync_overhead_us()
     for r in rows:
         r["wall_minus_sync_us"] = r["wall_us"] - sync
     return rows
 
 
+def run(only: str = "") -> list[timing.Row]:
+    """Headline: device time in a graph replay where the lengths are on the GPU, else wall − sync."""
+    out = []
+    for r in measure(only):
+        times = {k[:-3]: v for k, v in r.items() if k.endswith("_us")}
+        graph = "graph_us" in r
+        out.append(timing.Row("plan", r["case"], r["graph_us"] if graph else r["wall_minus_sync_us"],
+                              "graph" if graph else "wall_minus_sync", times=times))
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = p.parse_args(argv)
-    rows = run()
+    rows = measure(args.only)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

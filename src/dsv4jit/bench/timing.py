@@ -1,4 +1,5 @@
-"""Timing on the GPU: CUDA events or graph replay after warm-up, medians; copy bandwidth."""
+"""Timing on the GPU: CUDA events or graph replay after warm-up, medians; copy bandwidth; ``Row``,
+the record a benchmark's ``run(only)`` result becomes in the combined report (bench/report.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,25 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class Row:
+    """One measured case: the headline time and how it was taken, bytes and bandwidth when the
+    benchmark counts bytes, and every timing it took (µs by kind: eager, graph, host, wall, ...)."""
+
+    bench: str
+    case: str
+    us: float
+    timing: str
+    bytes: int | None = None
+    gbs: float | None = None
+    pct_copy: float | None = None
+    times: dict[str, float] = field(default_factory=dict)
 
 
 def event_us(fn: Callable[[], object], warmup: int = 20, reps: int = 200) -> float:
@@ -119,6 +136,16 @@ class BandwidthReport:
 
     def as_dict(self) -> dict:
         return {"copy_gbs": self.copy_gbs, "empty_kernel_graph_us": self.empty_us, "rows": self.rows}
+
+    def to_rows(self, bench: str) -> list[Row]:
+        """Headline time: the faster of eager and graph replay (what the GB/s figure uses)."""
+        out = []
+        for r in self.rows:
+            graph = r["graph_us"] <= r["eager_us"]
+            out.append(Row(bench, r["case"], min(r["graph_us"], r["eager_us"]), "graph" if graph else "eager",
+                           r["bytes"], r["gbs"], r["pct_copy"],
+                           {"eager": r["eager_us"], "graph": r["graph_us"], "over_empty": r["over_empty_us"]}))
+        return out
 
     def print(self) -> None:
         print(f"device copy bandwidth {self.copy_gbs:.0f} GB/s; empty kernel (graph replay) {self.empty_us:.2f} µs")

@@ -125,26 +125,42 @@ struct Kernels {
     for (int c = 0; c < C; ++c) kv[c] = 0.0f, z[c] = -INFINITY;
   }
 
-  /// Pools the unit's window into this unit's output channels (merging warps through shared memory).
-  static DSV4_DEV void finish(const Params& p, const Lane& lane, uint32_t out_row, const SoftmaxPartial<C>& part) {
+  /// Merges the unit's per-warp partials (through shared memory) into the pooled values of this
+  /// lane's channels; true in the unit's first warp, which holds them.
+  static DSV4_DEV bool reduce_unit(const Lane& lane, const SoftmaxPartial<C>& part, float (&v)[C]) {
     SoftmaxPartial<C> total = part;
     if constexpr (W::kWarpsPerUnit > 1) {
       __shared__ SoftmaxPartial<C> parts[W::kWarpsPerUnit][kWarpSize];
       const int lane_id = threadIdx.x % kWarpSize;
       parts[lane.warp_in_unit][lane_id] = part;
       __syncthreads();
-      if (lane.warp_in_unit != 0) return;
+      if (lane.warp_in_unit != 0) return false;
 #pragma unroll
       for (int w = 1; w < W::kWarpsPerUnit; ++w) merge_into(total, parts[w][lane_id]);
     }
-    Vec<OutT, C> out;
 #pragma unroll
-    for (int c = 0; c < C; ++c) out[c] = from_f32<OutT>(pooled_value(total, c));
-    store_vec(static_cast<OutT*>(p.out) + uint64_t{out_row} * kHeadDim + lane.channel, out);
+    for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);
+    return true;
   }
 
+  /// Where pooled rows go in compress_forward: row `row` of `out`, in OutT. The pool passes hand
+  /// every unit's result to a sink (prepare() once the row is known valid, emit() by every thread
+  /// of the unit with the values in its first warp), so the fused kernel can store them instead.
+  struct OutputRows {
+    const Params& p;
+    DSV4_DEV void prepare(const Lane&) {}
+    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
+      if (!holds) return;
+      Vec<OutT, C> out;
+#pragma unroll
+      for (int c = 0; c < C; ++c) out[c] = from_f32<OutT>(v[c]);
+      store_vec(static_cast<OutT*>(p.out) + uint64_t{lane.row} * kHeadDim + lane.channel, out);
+    }
+  };
+
   /// Prefill pool pass: one unit per (plan_c row, slice); invalid rows leave their output untouched.
-  static DSV4_DEV void prefill_pool(const Params& p) {
+  template <typename Sink>
+  static DSV4_DEV void prefill_pool(const Params& p, Sink& sink) {
     const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
     pdl_wait_upstream<kPDL>();  // the plan may come from the planner launched just before
     if (lane.row >= p.num_rows) return;
@@ -158,6 +174,7 @@ struct Kernels {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange);
       return;
     }
+    sink.prepare(lane);
     const auto* input = static_cast<const InT*>(p.input);
     const auto* state = static_cast<const BufferT*>(p.state);
     const auto* ape = static_cast<const InT*>(p.ape);
@@ -175,7 +192,9 @@ struct Kernels {
       }
     }
     pdl_launch_dependents<kPDL>();
-    finish(p, lane, lane.row, pool_slots(kv, z));
+    float v[C];
+    const bool holds = reduce_unit(lane, pool_slots(kv, z), v);
+    sink.emit(lane, holds, v);
   }
 
   /// Prefill write pass: copy each plan_w row's input token into its state row (cast to BufferT).
@@ -205,7 +224,8 @@ struct Kernels {
 
   /// Decode: write the current token; at a boundary pool the whole window from the ring (the
   /// last slot straight from registers: same values the ring now holds); else zero the output.
-  static DSV4_DEV void decode(const Params& p) {
+  template <typename Sink>
+  static DSV4_DEV void decode(const Params& p, Sink& sink) {
     const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
     pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
@@ -222,6 +242,7 @@ struct Kernels {
     const auto* state = static_cast<const BufferT*>(p.state);
     const auto* ape = static_cast<const InT*>(p.ape);
     const InT* token = static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth;
+    sink.prepare(lane);
     float kv[W::kSlotsPerWarp][C], z[W::kSlotsPerWarp][C];
     if (boundary && pages_ok) {
 #pragma unroll
@@ -254,23 +275,24 @@ struct Kernels {
                 kv[W::kSlotsPerWarp - 1], z[W::kSlotsPerWarp - 1]);
     }
     pdl_launch_dependents<kPDL>();
-    if (!boundary || !pages_ok) {
+    float v[C];
+    bool holds;
+    if (boundary && pages_ok) {
+      holds = reduce_unit(lane, pool_slots(kv, z), v);
+    } else {  // non-boundary rows are zero-filled, never left uninitialised
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
-      if (lane.warp_in_unit == 0) {  // non-boundary rows are zero-filled, never left uninitialised
-        Vec<OutT, C> zero;
 #pragma unroll
-        for (int c = 0; c < C; ++c) zero[c] = from_f32<OutT>(0.0f);
-        store_vec(static_cast<OutT*>(p.out) + uint64_t{lane.row} * kHeadDim + lane.channel, zero);
-      }
-      return;
+      for (int c = 0; c < C; ++c) v[c] = 0.0f;
+      holds = lane.warp_in_unit == 0;
     }
-    finish(p, lane, lane.row, pool_slots(kv, z));
+    sink.emit(lane, holds, v);
   }
 };
 
 template <typename K>
 __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void prefill_pool_kernel(const __grid_constant__ Params p) {
-  K::prefill_pool(p);
+  typename K::OutputRows sink{p};
+  K::prefill_pool(p, sink);
 }
 
 template <typename K>
@@ -280,7 +302,8 @@ __global__ __launch_bounds__(4 * kWarpSize) void prefill_write_kernel(const __gr
 
 template <typename K>
 __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(const __grid_constant__ Params p) {
-  K::decode(p);
+  typename K::OutputRows sink{p};
+  K::decode(p, sink);
 }
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
@@ -288,66 +311,98 @@ template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename Out
 struct Compress {
   using K = Kernels<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>;
   using W = typename K::W;
+  static constexpr const char* kOp = "compress_forward";
 
-  struct Checked {
+  /// Checks the state, input and ape tensors (and `out`, when the call has one) and fills the
+  /// parameters they determine; `input_rows` and `out_rows` bind the row counts.
+  static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
+                       const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
+                       Size& out_rows) {
     Params p{};
-    Device dev;
-  };
-
-  static Checked common(const char* op, const TensorView& state, const TensorView& input, const TensorView& ape,
-                        const TensorView& out, const Optional<TensorView>& status, Size& input_rows, Size& out_rows) {
-    Checked c;
     Size pages{"num_pages"};
     Check(op, "kv_score_buffer", state).shape({pages, kRatio, W::kRowWidth}).dtype(DTypeInfo<BufferT>::dtype)
-        .cuda(c.dev).contiguous().aligned();
-    Check(op, "kv_score_input", input).shape({input_rows, W::kRowWidth}).dtype(DTypeInfo<InT>::dtype).cuda(c.dev)
+        .cuda(dev).contiguous().aligned();
+    Check(op, "kv_score_input", input).shape({input_rows, W::kRowWidth}).dtype(DTypeInfo<InT>::dtype).cuda(dev)
         .contiguous().aligned();
-    Check(op, "ape", ape).shape({W::kSlots, kHeadDim}).dtype(DTypeInfo<InT>::dtype).cuda(c.dev).contiguous().aligned();
-    Check(op, "out", out).shape({out_rows, kHeadDim}).dtype(DTypeInfo<OutT>::dtype).cuda(c.dev).contiguous().aligned();
-    if (status.has_value()) Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(c.dev);
-    c.p.state = state.data_ptr();
-    c.p.input = input.data_ptr();
-    c.p.ape = ape.data_ptr();
-    c.p.out = out.data_ptr();
-    c.p.num_pages = pages.value;
-    c.p.num_input_rows = input_rows.value;
-    c.p.status = status.has_value() ? static_cast<int32_t*>(status.value().data_ptr()) : nullptr;
-    return c;
+    Check(op, "ape", ape).shape({W::kSlots, kHeadDim}).dtype(DTypeInfo<InT>::dtype).cuda(dev).contiguous().aligned();
+    if (out != nullptr) {
+      Check(op, "out", *out).shape({out_rows, kHeadDim}).dtype(DTypeInfo<OutT>::dtype).cuda(dev).contiguous()
+          .aligned();
+      p.out = out->data_ptr();
+    }
+    p.state = state.data_ptr();
+    p.input = input.data_ptr();
+    p.ape = ape.data_ptr();
+    p.num_pages = pages.value;
+    p.num_input_rows = input_rows.value;
+    p.status = status;
+    return p;
+  }
+
+  /// Checked parameters of a prefill call: the pool pass over plan_c (num_rows), plan_w in p.plan_w
+  /// (its row count in `rows_w`).
+  static Params prefill_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
+                               const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w,
+                               const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
+    Size input_rows{"num_q_tokens"};
+    Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
+    Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
+        .contiguous().aligned();
+    Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(WritePlan)}}).dtype(dl::kU8).cuda(dev)
+        .contiguous().aligned(8);
+    expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
+           rows_w.value);
+    p.plan = plan_c.data_ptr();
+    p.plan_w = static_cast<const WritePlan*>(plan_w.data_ptr());
+    p.num_rows = static_cast<uint32_t>(rows_c.value);
+    return p;
+  }
+
+  /// Checked parameters of a decode call (one plan row and one input row per request).
+  static Params decode_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
+                              const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
+                              Size& batch) {
+    Params p = common(op, dev, state, input, ape, out, status, batch, batch);
+    Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(dev).contiguous()
+        .aligned();
+    p.plan = plan_d.data_ptr();
+    p.num_rows = static_cast<uint32_t>(batch.value);
+    return p;
   }
 
   static unsigned blocks(uint64_t rows, int units_per_block) { return div_ceil(rows * W::kSlices, units_per_block); }
 
+  /// The write pass over `rows_w` plan_w rows (after the pool pass, in stream order).
+  static void launch_write(const char* op, const Device& dev, Params p, int64_t rows_w) {
+    p.num_rows = static_cast<uint32_t>(rows_w);
+    launch(op, dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
+  }
+
+  /// The checked-mode status words (`words` int32), or nullptr in default mode.
+  static int32_t* status_ptr(const char* op, Device& dev, const Optional<TensorView>& status, int64_t words) {
+    if (!status.has_value()) return nullptr;
+    Check(op, "status", status.value()).shape({words}).dtype(dl::kI32).cuda(dev);
+    return static_cast<int32_t*>(status.value().data_ptr());
+  }
+
   static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
                       TensorView plan_w, TensorView out, Optional<TensorView> status) {
-    const char* op = "compress_forward";
-    Size input_rows{"num_q_tokens"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Checked c = common(op, kv_score_buffer, kv_score_input, ape, out, status, input_rows, rows_c);
-    Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(c.dev)
-        .contiguous().aligned();
-    Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(WritePlan)}}).dtype(dl::kU8).cuda(c.dev)
-        .contiguous().aligned(8);
-    expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
-           rows_w.value);
-    Params p = c.p;
-    p.plan = plan_c.data_ptr();
-    p.plan_w = static_cast<const WritePlan*>(plan_w.data_ptr());
-    p.num_rows = static_cast<uint32_t>(rows_c.value);
-    launch(op, c.dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
-    p.num_rows = static_cast<uint32_t>(rows_w.value);
-    launch(op, c.dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
+    Device dev;
+    Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+    Params p = prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
+                              rows_w);
+    p.status = status_ptr(kOp, dev, status, 1);
+    launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
+    launch_write(kOp, dev, p, rows_w.value);
   }
 
   static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
                      TensorView out, Optional<TensorView> status) {
-    const char* op = "compress_forward";
+    Device dev;
     Size batch{"batch_size"};
-    Checked c = common(op, kv_score_buffer, kv_score_input, ape, out, status, batch, batch);
-    Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(c.dev)
-        .contiguous().aligned();
-    Params p = c.p;
-    p.plan = plan_d.data_ptr();
-    p.num_rows = static_cast<uint32_t>(batch.value);
-    launch(op, c.dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
+    Params p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
+    p.status = status_ptr(kOp, dev, status, 1);
+    launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
   }
 };
 

@@ -15,6 +15,7 @@
 #include "common/scan.cuh"
 #include "common/types.cuh"
 #include "plan_args.h"
+#include "plan_online.h"
 
 namespace dsv4::plan {
 
@@ -29,11 +30,13 @@ struct RequestTable {
 template <>
 struct RequestTable<0> {};  // device lengths: the kernel builds the table itself
 
-struct PrefillParams {
+/// WriteRow: WritePlan (ring planners) or CompressPlan (online segments, §E).
+template <typename WriteRow>
+struct PrefillParamsOf {
   Geometry g;
   Tables tables;
   CompressPlan* plan_c;
-  WritePlan* plan_w;
+  WriteRow* plan_w;
   uint32_t cap_c, cap_w;          // rows the plan tensors hold
   uint32_t max_tokens;            // ragged ids must stay below num_q_tokens
   uint32_t num_requests;          // requests in this launch's table
@@ -45,6 +48,7 @@ struct PrefillParams {
   const int64_t* extend_lens;
   int32_t* status;                // checked mode: OR of StatusBit, else nullptr
 };
+using PrefillParams = PrefillParamsOf<WritePlan>;
 
 struct DecodeParams {
   Geometry g;
@@ -63,7 +67,8 @@ struct SharedTable {
 };
 
 /// Builds the table from device lengths: closed-form counts per request, block-wide prefix sums.
-DSV4_DEV int32_t build_table_on_device(const PrefillParams& p, SharedTable& s) {
+template <typename Params>
+DSV4_DEV int32_t build_table_on_device(const Params& p, SharedTable& s) {
   constexpr int kPerThread = (kMaxDeviceBatch + kThreads - 1) / kThreads;
   const uint32_t first = threadIdx.x * kPerThread;
   uint32_t ext[kPerThread], cnt_c[kPerThread], cnt_w[kPerThread];
@@ -138,8 +143,8 @@ DSV4_DEV uint32_t find_request(const SharedTable& s, uint32_t n, uint32_t k) {
   return lo;
 }
 
-template <bool kPDL, int kMaxRequests>
-__global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant__ PrefillParams p,
+template <bool kPDL, int kMaxRequests, typename WriteRow = WritePlan>
+__global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant__ PrefillParamsOf<WriteRow> p,
                                                            const __grid_constant__ RequestTable<kMaxRequests> table) {
   __shared__ SharedTable s;
   pdl_wait_upstream<kPDL>();  // lengths and lookup tables may come from the previous kernel
@@ -179,7 +184,7 @@ __global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant
     }
     if (p.pad) {
       if (i >= pad_c && i < p.cap_c) p.plan_c[i] = CompressPlan::invalid();
-      if (i >= pad_w && i < p.cap_w) p.plan_w[i] = WritePlan::invalid();
+      if (i >= pad_w && i < p.cap_w) p.plan_w[i] = WriteRow::invalid();
     }
   }
   if (status != 0 && p.status != nullptr) atomicOr(p.status, status);
@@ -219,29 +224,51 @@ struct Planner {
                              int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy) {
     const char* op = "plan_prefill";
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
-    Size batch{"batch_size"}, num_q{"num_q_tokens"};
+    Size batch{"batch_size"};
     Device dev;
-    PrefillParams p{};
-    p.tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    const Tables tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    launch_device_lengths<WritePlan>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
+  }
+
+  /// Online c128 (§E) from device lengths: both plans [num_q_tokens, 16], invalid past the counts.
+  static void prefill_online_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                    TensorView seq_lens, TensorView extend_lens, TensorView plan_c, TensorView plan_w,
+                                    Optional<TensorView> status, int64_t state_slot_offset) {
+    const char* op = "plan_prefill_online";
+    const Geometry g = checked_online_geometry(op, state_slot_offset);
+    Size batch{"batch_size"};
+    Device dev;
+    const Tables tables = checked_online_tables(op, g, req_pool_indices, req_to_token, batch, dev, true);
+    launch_device_lengths<CompressPlan>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
+  }
+
+  template <typename WriteRow>
+  static void launch_device_lengths(const char* op, const Geometry& g, const Tables& tables, Size& batch,
+                                    Device& dev, const TensorView& seq_lens, const TensorView& extend_lens,
+                                    const TensorView& plan_c, const TensorView& plan_w,
+                                    const Optional<TensorView>& status) {
+    Size num_q{"num_q_tokens"};
+    PrefillParamsOf<WriteRow> p{};
+    p.tables = tables;
     Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
     Check(op, "extend_lens", extend_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
     check_plan_tensor(op, "plan_c", plan_c, num_q, sizeof(CompressPlan), dev, true);
-    check_plan_tensor(op, "plan_w", plan_w, num_q, sizeof(WritePlan), dev, true);
+    check_plan_tensor(op, "plan_w", plan_w, num_q, sizeof(WriteRow), dev, true);
     expect(batch.value <= kMaxDeviceBatch, op, "seq_lens",
            [&] { return "at most " + std::to_string(kMaxDeviceBatch) + " requests on the GPU-input path"; }, batch.value);
     expect(num_q.value <= kMaxTokens, op, "num_q_tokens", [&] { return "at most " + std::to_string(kMaxTokens); }, num_q.value);
     expect(batch.value <= num_q.value, op, "num_q_tokens", "at least the batch size", num_q.value);
     p.g = g;
     p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
-    p.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());
+    p.plan_w = static_cast<WriteRow*>(plan_w.data_ptr());
     p.cap_c = p.cap_w = p.max_tokens = p.index_count = static_cast<uint32_t>(num_q.value);
     p.num_requests = static_cast<uint32_t>(batch.value);
     p.pad = true;
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.extend_lens = static_cast<const int64_t*>(extend_lens.data_ptr());
     p.status = status_ptr(op, status, dev);
-    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0>, p,
-           RequestTable<0>{});
+    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0, WriteRow>,
+           p, RequestTable<0>{});
   }
 
   /// CPU-input prefill: lengths on the host, plans on the device with room for the rows (see
@@ -256,7 +283,25 @@ struct Planner {
     HostPrefill h = checked_host_prefill(op, req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
                                          plan_c, plan_w, num_q_tokens, compress_ratio, swa_page_size, ring_size,
                                          use_req_ring, legacy, use_cuda_graph, true);
-    PrefillParams p{};
+    launch_host_lengths(op, h, status, num_q_tokens, use_cuda_graph);
+  }
+
+  /// Online c128 (§E) from host lengths: exact-size plans (num_q_tokens rows with use_cuda_graph).
+  static void prefill_online_host_lengths(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                          TensorView seq_lens, TensorView extend_lens, TensorView plan_c,
+                                          TensorView plan_w, Optional<TensorView> status, int64_t num_q_tokens,
+                                          int64_t state_slot_offset, bool use_cuda_graph) {
+    const char* op = "plan_prefill_online";
+    HostPrefillOf<CompressPlan> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
+                                                                extend_lens, plan_c, plan_w, num_q_tokens,
+                                                                state_slot_offset, use_cuda_graph, true);
+    launch_host_lengths(op, h, status, num_q_tokens, use_cuda_graph);
+  }
+
+  template <typename WriteRow>
+  static void launch_host_lengths(const char* op, HostPrefillOf<WriteRow>& h, const Optional<TensorView>& status,
+                                  int64_t num_q_tokens, bool use_cuda_graph) {
+    PrefillParamsOf<WriteRow> p{};
     p.g = h.g;
     p.tables = h.tables;
     p.plan_c = h.plan_c;
@@ -283,17 +328,19 @@ struct Planner {
     } while (b0 < h.batch);
   }
 
-  template <int kMax>
-  static void launch_sized(const char* op, Device& dev, const PrefillParams& p, const RequestEntry* entries,
-                           uint32_t n) {
+  template <int kMax, typename WriteRow>
+  static void launch_sized(const char* op, Device& dev, const PrefillParamsOf<WriteRow>& p,
+                           const RequestEntry* entries, uint32_t n) {
     RequestTable<kMax> t{};
     // Entries keep absolute row and ragged bases, so chunks compose without rebasing.
     std::copy(entries, entries + n + 1, t.entries);
-    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, kMax>, p, t);
+    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL,
+           prefill_kernel<kPDL, kMax, WriteRow>, p, t);
   }
 
-  static void launch_with_table(const char* op, Device& dev, PrefillParams p, const RequestEntry* entries,
-                                uint32_t n) {
+  template <typename WriteRow>
+  static void launch_with_table(const char* op, Device& dev, PrefillParamsOf<WriteRow> p,
+                                const RequestEntry* entries, uint32_t n) {
     if (n <= 16) return launch_sized<16>(op, dev, p, entries, n);
     if (n <= 128) return launch_sized<128>(op, dev, p, entries, n);
     return launch_sized<kMaxDeviceBatch>(op, dev, p, entries, n);
@@ -306,8 +353,25 @@ struct Planner {
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
     Size batch{"batch_size"};
     Device dev;
+    const Tables tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    launch_decode(op, g, tables, batch, dev, seq_lens, plan_d, status);
+  }
+
+  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request.
+  static void decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token, TensorView seq_lens,
+                            TensorView plan_d, Optional<TensorView> status, int64_t state_slot_offset) {
+    const char* op = "plan_decode_online";
+    const Geometry g = checked_online_geometry(op, state_slot_offset);
+    Size batch{"batch_size"};
+    Device dev;
+    const Tables tables = checked_online_tables(op, g, req_pool_indices, req_to_token, batch, dev, true);
+    launch_decode(op, g, tables, batch, dev, seq_lens, plan_d, status);
+  }
+
+  static void launch_decode(const char* op, const Geometry& g, const Tables& tables, Size& batch, Device& dev,
+                            const TensorView& seq_lens, const TensorView& plan_d, const Optional<TensorView>& status) {
     DecodeParams p{};
-    p.tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
+    p.tables = tables;
     Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
     check_plan_tensor(op, "plan_d", plan_d, batch, sizeof(DecodePlan), dev, true);
     p.g = g;

@@ -53,7 +53,7 @@ inline Tables checked_tables(const char* op, const Geometry& g, const TensorView
   }
   Tables t{};
   t.req_pool_indices = static_cast<const int64_t*>(req_pool_indices.data_ptr());
-  if (g.scheme == Scheme::kLegacy) return t;
+  if (g.scheme == Scheme::kLegacy || g.scheme == Scheme::kOnline) return t;
   if (!req_to_token.has_value() || !full_to_state.has_value()) {
     TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": req_to_token and full_to_state are required (got None)";
   }
@@ -132,7 +132,9 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
 
 /// Everything a prefill from host-resident lengths needs, checked: the request table (entry B holds
 /// the totals) and plan tensors with room for the rows (all num_q_tokens rows with use_cuda_graph).
-struct HostPrefill {
+/// WriteRow: WritePlan (ring planners) or CompressPlan (online segments).
+template <typename WriteRow>
+struct HostPrefillOf {
   Geometry g;
   Tables tables;
   Device dev;
@@ -140,23 +142,19 @@ struct HostPrefill {
   uint32_t batch = 0;
   uint32_t cap_c = 0, cap_w = 0;  // rows to fill: the counts, or num_q_tokens with use_cuda_graph
   CompressPlan* plan_c = nullptr;
-  WritePlan* plan_w = nullptr;
+  WriteRow* plan_w = nullptr;
 };
+using HostPrefill = HostPrefillOf<WritePlan>;
 
-inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_pool_indices,
-                                        const Optional<TensorView>& req_to_token,
-                                        const Optional<TensorView>& full_to_state, const TensorView& seq_lens,
-                                        const TensorView& extend_lens, const TensorView& plan_c,
-                                        const TensorView& plan_w, int64_t num_q_tokens, int64_t compress_ratio,
-                                        int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy,
-                                        bool use_cuda_graph, bool on_cuda) {
-  HostPrefill h;
-  h.g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
-  Size batch{"batch_size"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-  h.tables = checked_tables(op, h.g, req_pool_indices, req_to_token, full_to_state, batch, h.dev, on_cuda);
+/// The lengths and plan tensors of a host-lengths prefill, once h.g, h.tables and h.dev are set.
+template <typename WriteRow>
+inline void check_host_lengths(const char* op, HostPrefillOf<WriteRow>& h, Size& batch, const TensorView& seq_lens,
+                               const TensorView& extend_lens, const TensorView& plan_c, const TensorView& plan_w,
+                               int64_t num_q_tokens, bool use_cuda_graph, bool on_cuda) {
+  Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
   const Totals totals = build_request_table(op, h.g, seq_lens, extend_lens, batch, num_q_tokens, h.table);
   check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(CompressPlan), h.dev, on_cuda);
-  check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WritePlan), h.dev, on_cuda);
+  check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WriteRow), h.dev, on_cuda);
   const int64_t cap_c = use_cuda_graph ? num_q_tokens : totals.num_c;
   const int64_t cap_w = use_cuda_graph ? num_q_tokens : totals.num_w;
   expect(rows_c.value >= cap_c, op, "plan_c", [&] { return "at least " + std::to_string(cap_c) + " rows"; },
@@ -167,7 +165,21 @@ inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_po
   h.cap_c = static_cast<uint32_t>(cap_c);
   h.cap_w = static_cast<uint32_t>(cap_w);
   h.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
-  h.plan_w = static_cast<WritePlan*>(plan_w.data_ptr());
+  h.plan_w = static_cast<WriteRow*>(plan_w.data_ptr());
+}
+
+inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_pool_indices,
+                                        const Optional<TensorView>& req_to_token,
+                                        const Optional<TensorView>& full_to_state, const TensorView& seq_lens,
+                                        const TensorView& extend_lens, const TensorView& plan_c,
+                                        const TensorView& plan_w, int64_t num_q_tokens, int64_t compress_ratio,
+                                        int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy,
+                                        bool use_cuda_graph, bool on_cuda) {
+  HostPrefill h;
+  h.g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
+  Size batch{"batch_size"};
+  h.tables = checked_tables(op, h.g, req_pool_indices, req_to_token, full_to_state, batch, h.dev, on_cuda);
+  check_host_lengths(op, h, batch, seq_lens, extend_lens, plan_c, plan_w, num_q_tokens, use_cuda_graph, on_cuda);
   return h;
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "plan_args.h"
+#include "plan_online.h"
 
 namespace dsv4::plan {
 
@@ -24,6 +25,23 @@ struct HostPlanner {
     HostPrefill h = checked_host_prefill(op, req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
                                          plan_c, plan_w, num_q_tokens, compress_ratio, swa_page_size, ring_size,
                                          use_req_ring, legacy, use_cuda_graph, false);
+    emit_all(op, h, checked);
+  }
+
+  /// Online c128 (§E): segment rows in plan_c (closing a chunk) and plan_w (trailing partial).
+  static void prefill_online(TensorView req_pool_indices, Optional<TensorView> req_to_token, TensorView seq_lens,
+                             TensorView extend_lens, TensorView plan_c, TensorView plan_w, int64_t num_q_tokens,
+                             int64_t state_slot_offset, bool use_cuda_graph, bool checked) {
+    const char* op = "plan_prefill_online";
+    HostPrefillOf<CompressPlan> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
+                                                                extend_lens, plan_c, plan_w, num_q_tokens,
+                                                                state_slot_offset, use_cuda_graph, false);
+    emit_all(op, h, checked);
+  }
+
+  /// Every request's rows in batch order, then invalid rows up to the capacities.
+  template <typename WriteRow>
+  static void emit_all(const char* op, HostPrefillOf<WriteRow>& h, bool checked) {
     int32_t status = 0;
     h.tables.status = &status;
     for (uint32_t b = 0; b < h.batch; ++b) {
@@ -36,7 +54,7 @@ struct HostPlanner {
     }
     const RequestEntry& totals = h.table[h.batch];
     for (uint32_t i = totals.row_c; i < h.cap_c; ++i) h.plan_c[i] = CompressPlan::invalid();
-    for (uint32_t i = totals.row_w; i < h.cap_w; ++i) h.plan_w[i] = WritePlan::invalid();
+    for (uint32_t i = totals.row_w; i < h.cap_w; ++i) h.plan_w[i] = WriteRow::invalid();
     if (checked) raise_status(op, status);
   }
 
@@ -47,8 +65,24 @@ struct HostPlanner {
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
     Size batch{"batch_size"};
     Device dev;
-    int32_t status = 0;
     Tables tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, false);
+    decode_rows(op, g, tables, batch, dev, seq_lens, plan_d, checked);
+  }
+
+  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request.
+  static void decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token, TensorView seq_lens,
+                            TensorView plan_d, int64_t state_slot_offset, bool checked) {
+    const char* op = "plan_decode_online";
+    const Geometry g = checked_online_geometry(op, state_slot_offset);
+    Size batch{"batch_size"};
+    Device dev;
+    Tables tables = checked_online_tables(op, g, req_pool_indices, req_to_token, batch, dev, false);
+    decode_rows(op, g, tables, batch, dev, seq_lens, plan_d, checked);
+  }
+
+  static void decode_rows(const char* op, const Geometry& g, Tables tables, Size& batch, Device& dev,
+                          const TensorView& seq_lens, const TensorView& plan_d, bool checked) {
+    int32_t status = 0;
     tables.status = &status;
     Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cpu().contiguous();
     check_plan_tensor(op, "plan_d", plan_d, batch, sizeof(DecodePlan), dev, false);

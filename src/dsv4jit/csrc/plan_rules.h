@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/macros.h"
 #include "common/plan_structs.h"
@@ -18,6 +19,7 @@ enum class Scheme : int32_t {
   kPagedSwa = 0,     // c4: a private ring per SWA page, through req_to_token and full_to_state
   kRequestRing = 1,  // c128, or c4 with use_req_ring: rid * ring_size + pos % ring_size
   kLegacy = 2,       // non-paged: c4 page 2*rid + (pos/4)%2, c128 page rid
+  kOnline = 3,       // online c128 (§E): one running-state row per request, rid + slot_offset
 };
 
 /// Status bits reported to checked mode (never read in default mode).
@@ -39,6 +41,7 @@ struct Geometry {
   bool page_tail;         // paged c4: keep the last R tokens of every SWA page
   bool translate_all;     // legacy: translate compress rows even when buffer_len == 0
   Scheme scheme;
+  int32_t slot_offset;    // online: state bank of this step's stores (rid + slot_offset)
 };
 
 inline Geometry make_geometry(int32_t ratio, int32_t swa_page_size, int32_t ring_size, bool use_req_ring,
@@ -56,6 +59,14 @@ inline Geometry make_geometry(int32_t ratio, int32_t swa_page_size, int32_t ring
   return g;
 }
 
+/// Online c128 (§E): 128-token chunks, segment rows instead of windows and token writes.
+inline Geometry make_online_geometry(int32_t slot_offset) {
+  Geometry g = make_geometry(128, 1, 128, false, false);
+  g.scheme = Scheme::kOnline;
+  g.slot_offset = slot_offset;
+  return g;
+}
+
 DSV4_HD int32_t imax(int32_t a, int32_t b) { return a > b ? a : b; }
 DSV4_HD int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
 
@@ -67,7 +78,9 @@ struct Span {
 
   DSV4_HD static Span of(const Geometry& g, int32_t seq_len, int32_t extend_len) {
     const int32_t last_c = seq_len / g.ratio * g.ratio;
-    const int32_t first_w = imin(last_c - (g.overlap ? g.ratio : 0), seq_len - g.mtp_pad);
+    // Online: only the last token writes, as the end of the trailing partial segment (if any).
+    const int32_t first_w = g.scheme == Scheme::kOnline ? seq_len - (seq_len != last_c)
+                                                        : imin(last_c - (g.overlap ? g.ratio : 0), seq_len - g.mtp_pad);
     return {seq_len - extend_len, seq_len, first_w};
   }
 
@@ -154,19 +167,34 @@ DSV4_HD CompressPlan compress_row(const Geometry& g, const Lookup& lookup, uint3
   return row;
 }
 
+/// Online (§E): the segment of the request's extend range that ends at `pos` (j = pos - prefix_len)
+/// and starts at the later of the extend start and the 128-chunk start. buffer_len is its length;
+/// read_page_0 the bank it stores to (rid + slot_offset), read_page_1 the committed bank it merges with.
+template <typename Lookup>
+DSV4_HD CompressPlan segment_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t pos, int32_t j,
+                                 uint32_t rg) {
+  const int64_t rid = lookup.rid(batch_id);
+  return CompressPlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(rg),
+                      static_cast<uint16_t>(imin(j, pos % g.ratio) + 1), static_cast<int32_t>(rid + g.slot_offset),
+                      static_cast<int32_t>(rid)};
+}
+
 /// Emit the rows of one extend token (ragged id rg, j-th token of request `batch_id`) into
 /// plan_c / plan_w at their CPU-order indices; rows at or beyond the capacities are dropped.
-template <typename Lookup>
+/// WriteRow = WritePlan: ring planners; WriteRow = CompressPlan: online segments (§E).
+template <typename Lookup, typename WriteRow>
 DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& span, uint32_t batch_id,
                            const RequestEntry& req, int32_t j, CompressPlan* plan_c, uint32_t cap_c,
-                           WritePlan* plan_w, uint32_t cap_w) {
+                           WriteRow* plan_w, uint32_t cap_w) {
+  constexpr bool kOnline = std::is_same_v<WriteRow, CompressPlan>;
   const int32_t pos = span.prefix_len + j;
   const uint32_t rg = req.ragged_base + static_cast<uint32_t>(j);
   int32_t status = 0;
   if (span.is_event(g, pos)) {
     const uint32_t idx = req.row_c + static_cast<uint32_t>(span.events_before(g, pos + 1) - 1);
     if (idx < cap_c) {
-      plan_c[idx] = compress_row(g, lookup, batch_id, pos, j, rg);
+      plan_c[idx] = kOnline ? segment_row(g, lookup, batch_id, pos, j, rg)
+                            : compress_row(g, lookup, batch_id, pos, j, rg);
     } else {
       status |= kTokensDropped;
     }
@@ -174,7 +202,11 @@ DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& 
   if (span.is_write(g, pos)) {
     const uint32_t idx = req.row_w + static_cast<uint32_t>(span.writes_before(g, pos));
     if (idx < cap_w) {
-      plan_w[idx] = WritePlan{rg, state_row(g, lookup, lookup.rid(batch_id), pos)};
+      if constexpr (kOnline) {
+        plan_w[idx] = segment_row(g, lookup, batch_id, pos, j, rg);
+      } else {
+        plan_w[idx] = WritePlan{rg, state_row(g, lookup, lookup.rid(batch_id), pos)};
+      }
     } else {
       status |= kTokensDropped;
     }
@@ -186,6 +218,10 @@ DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& 
 template <typename Lookup>
 DSV4_HD DecodePlan decode_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t seq_len) {
   const int64_t rid = lookup.rid(batch_id);
+  if (g.scheme == Scheme::kOnline) {  // §E: the state row is loaded and stored in place
+    const int32_t slot = static_cast<int32_t>(rid + g.slot_offset);
+    return DecodePlan{static_cast<uint32_t>(seq_len), slot, slot, -1};
+  }
   const int32_t p1 = seq_len - 1;
   const int32_t write_loc = state_row(g, lookup, rid, p1);
   return DecodePlan{static_cast<uint32_t>(seq_len), write_loc, state_page(g, lookup, rid, imax(p1 - g.ratio, 0)),

@@ -86,8 +86,9 @@ struct Kernel {
     return p.loc64 ? static_cast<const int64_t*>(p.out_loc)[i] : static_cast<const int32_t*>(p.out_loc)[i];
   }
 
-  /// Which rows are stored, where, and at which rope position; false to skip the row.
-  static DSV4_DEV bool locate(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
+  /// The plan side of locate(): whether `row` is stored, its rope position, and its cache location.
+  /// The location load is only issued here (first used by check()), so callers can overlap it.
+  static DSV4_DEV bool select(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
     uint32_t seq_len;
     if (p.is_decode) {
       seq_len = static_cast<const DecodePlan*>(p.plan)[row].seq_len;
@@ -104,11 +105,24 @@ struct Kernel {
       loc = load_loc(p, c.ragged_id);  // out_loc is indexed by ragged token id in prefill
     }
     position = int64_t{seq_len} - p.ratio;
-    const int32_t bad = (loc < 0 || loc >= p.num_locs)                 ? kLocOutOfRange
-                        : (position < 0 || position >= p.max_pos) ? kPositionOutOfRange
-                                                                   : 0;
-    if (bad != 0) report(p, bad);  // the row is skipped: nothing is written out of bounds
+    return true;
+  }
+
+  static DSV4_DEV bool position_ok(const Params& p, int64_t position) { return position >= 0 && position < p.max_pos; }
+
+  /// False (and reported) when the location or the rope position lies outside the cache or the
+  /// freq table: the row is skipped, nothing is written out of bounds.
+  static DSV4_DEV bool check(const Params& p, int64_t loc, int64_t position) {
+    const int32_t bad = (loc < 0 || loc >= p.num_locs) ? kLocOutOfRange
+                        : !position_ok(p, position)      ? kPositionOutOfRange
+                                                         : 0;
+    if (bad != 0) report(p, bad);
     return bad == 0;
+  }
+
+  /// Which rows are stored, where, and at which rope position; false to skip the row.
+  static DSV4_DEV bool locate(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
+    return select(p, row, loc, position) && check(p, loc, position);
   }
 
   static DSV4_DEV void run(const Params& p) {
@@ -140,6 +154,45 @@ struct Kernel {
     store_row(p, xv, w, freq, loc, lane);
   }
 
+  // The sum of squares of a row has one canonical order, shared by every path that stores rows
+  // (so they agree bit for bit): within each 64-dim tile, every group of 4 consecutive channels
+  // chains its squares (fma, channel order), the tile's 16 groups add by a butterfly (distances
+  // 8, 4, 2, 1 groups), and the tile sums add in tile order.
+
+  /// Butterfly over the 16 group partials of a tile held by lanes {g * kStride}.
+  template <int kStride>
+  static DSV4_DEV float tile_sum(float group) {
+#pragma unroll
+    for (int m = 8; m > 0; m /= 2) group = __fadd_rn(group, __shfl_xor_sync(kFullMask, group, m * kStride));
+    return group;
+  }
+
+  static DSV4_DEV float rms_scale(const Params& p, float sum_squares) {
+    return 1.0f / sqrtf(__fadd_rn(sum_squares / L::kHeadDim, p.eps));
+  }
+
+  /// RoPE of one interleaved (re, im) pair.
+  static DSV4_DEV void rotate(float& re, float& im, float cs, float sn) {
+    const float a = re, b = im;
+    re = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+    im = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+  }
+
+  /// Chunk k's part of the canonical sum of squares on this lane: its tile's sum (lanes < 16 hold
+  /// tile 2k, lanes >= 16 tile 2k + 1).
+  static DSV4_DEV float chunk_tile_sum(const float (&xk)[4]) {
+    float group = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) group = __fmaf_rn(xk[c], xk[c], group);
+    return tile_sum<1>(group);
+  }
+
+  /// `total` plus chunk k's two tile sums, in tile order.
+  static DSV4_DEV float add_chunk(float total, float tile, int lane) {
+    const float other = __shfl_xor_sync(kFullMask, tile, 16);
+    return __fadd_rn(__fadd_rn(total, lane < 16 ? tile : other), lane < 16 ? other : tile);
+  }
+
   static DSV4_DEV void store_row(const Params& p, const Vec<DType, 4> (&xv)[C], const float (&w)[C][4],
                                  const Vec<float, 4>& freq, int64_t loc, int lane) {
     float x[C][4];
@@ -148,45 +201,97 @@ struct Kernel {
 #pragma unroll
       for (int c = 0; c < 4; ++c) x[k][c] = to_f32(xv[k][c]);
     }
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) total = add_chunk(total, chunk_tile_sum(x[k]), lane);
+    const float r = rms_scale(p, total);
+    const float f[4] = {freq[0], freq[1], freq[2], freq[3]};
+#pragma unroll
+    for (int k = 0; k < C; ++k) store_chunk(p, k, x[k], w[k], r, f, loc, lane);
+  }
+
+  /// Normalizes chunk k of a row (lane l: channels 128k + 4l .. +3) with the row's RMS scale `r`,
+  /// rotates its rope dims, and stores it (with its scales) at cache location `loc`.
+  static DSV4_DEV void store_chunk(const Params& p, int k, float (&x)[4], const float (&w)[4], float r,
+                                   const float (&freq)[4], int64_t loc, int lane) {
     // RMSNorm, in the reference's order: y = (x * r) * w, without fused multiply-adds.
-    float sumsq = 0.0f;
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
+    for (int c = 0; c < 4; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
+    const bool rope = k == C - 1 && lane >= 16;  // the trailing 64 dims: interleaved (re, im) pairs
+    if (rope) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) sumsq = __fmaf_rn(x[k][c], x[k][c], sumsq);
+      for (int pair = 0; pair < 2; ++pair) rotate(x[2 * pair], x[2 * pair + 1], freq[2 * pair], freq[2 * pair + 1]);
     }
-    sumsq = warp_sum(sumsq);
-    const float r = 1.0f / sqrtf(__fadd_rn(sumsq / L::kHeadDim, p.eps));
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[k][c] = __fmul_rn(__fmul_rn(x[k][c], r), w[k][c]);
-    }
-    // RoPE on interleaved (re, im) pairs of the trailing 64 dims.
-    if (lane >= 16) {
-      float* v = x[C - 1];
-#pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-        const float re = v[2 * pair], im = v[2 * pair + 1], cs = freq[2 * pair], sn = freq[2 * pair + 1];
-        v[2 * pair] = __fsub_rn(__fmul_rn(re, cs), __fmul_rn(im, sn));
-        v[2 * pair + 1] = __fadd_rn(__fmul_rn(re, sn), __fmul_rn(im, cs));
-      }
-    }
-    uint8_t* page = p.cache + (loc >> p.log2_page_size) * p.page_bytes;
-    const int64_t page_size = int64_t{1} << p.log2_page_size;
-    const int64_t slot = loc & (page_size - 1);
+    uint8_t* page = page_of(p, loc);
+    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
     if constexpr (L::kIndexer) {
-      hadamard128(x[0], lane);
+      hadamard128(x, lane);
       if constexpr (F == Format::kIndexerFp8) {
-        store_indexer_fp8(x[0], lane, page + slot * 128, page + page_size * 128 + slot * 4);
+        store_indexer_fp8(x, lane, page + slot * 128, page + page_size * 128 + slot * 4);
       } else {
-        store_indexer_fp4(x[0], lane, page + slot * 64, page + page_size * 64 + slot * 4);
+        store_indexer_fp4(x, lane, page + slot * 64, page + page_size * 64 + slot * 4);
       }
-    } else if constexpr (F == Format::kV4Fp8) {
-      store_v4_fp8(x, lane, page + slot * 576, page + page_size * 576 + slot * 8);
     } else {
-      store_bf16(x, lane, page + slot * 1024);
+      Vec<bf16_t, 4> b;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) b[c] = __float2bfloat16_rn(x[c]);
+      if constexpr (F == Format::kV4Bf16) {
+        store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + 128 * k + 4 * lane, b);
+      } else if (rope) {
+        store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 4 * (lane - 16), b);
+      } else {
+        // V4 latent: e4m3 of the bf16-rounded values, one UE8M0 scale per 64-dim tile (a half-warp)
+        const int tile = 2 * k + lane / 16;
+        float q[4], amax = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) q[c] = __bfloat162float(b[c]), amax = fmaxf(amax, fabsf(q[c]));
+        const int e = v4_exponent(reduce_amax(amax, 16));
+        uint32_t packed = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) packed |= uint32_t{v4_code(q[c], e)} << (8 * c);
+        *reinterpret_cast<uint32_t*>(page + slot * 576 + 128 * k + 4 * lane) = packed;
+        if (lane % 16 == 0) page[page_size * 576 + slot * 8 + tile] = static_cast<uint8_t>(e);
+      }
     }
+  }
+
+  /// One 64-dim tile of a V4 row, held by 32 lanes x 2 channels (lane l: dims 64·tile + 2l, +1):
+  /// the bytes store_chunk writes for that tile, given the row's RMS scale `r` (c128 fused path).
+  static DSV4_DEV void store_tile(const Params& p, int tile, float (&x)[2], const float (&w)[2], float r,
+                                  const float (&freq)[2], int64_t loc, int lane) {
+    static_assert(!L::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
+#pragma unroll
+    for (int c = 0; c < 2; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
+    const bool rope = tile == L::kHeadDim / 64 - 1;
+    if (rope) rotate(x[0], x[1], freq[0], freq[1]);
+    uint8_t* page = page_of(p, loc);
+    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
+    Vec<bf16_t, 2> b;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) b[c] = __float2bfloat16_rn(x[c]);
+    if constexpr (F == Format::kV4Bf16) {
+      store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + 64 * tile + 2 * lane, b);
+    } else if (rope) {
+      store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 2 * lane, b);
+    } else {
+      const float q0 = __bfloat162float(b[0]), q1 = __bfloat162float(b[1]);
+      const int e = v4_exponent(reduce_amax(fmaxf(fabsf(q0), fabsf(q1)), kWarpSize));
+      const uint32_t codes = uint32_t{v4_code(q0, e)} | uint32_t{v4_code(q1, e)} << 8;
+      *reinterpret_cast<uint16_t*>(page + slot * 576 + 64 * tile + 2 * lane) = static_cast<uint16_t>(codes);
+      if (lane == 0) page[page_size * 576 + slot * 8 + tile] = static_cast<uint8_t>(e);
+    }
+  }
+
+  static DSV4_DEV uint8_t* page_of(const Params& p, int64_t loc) {
+    return p.cache + (loc >> p.log2_page_size) * p.page_bytes;
+  }
+  static DSV4_DEV int64_t slot_of(const Params& p, int64_t loc) { return loc & ((int64_t{1} << p.log2_page_size) - 1); }
+
+  /// UE8M0 exponent of a V4 tile's scale (rounded up; amax floored at 1e-4).
+  static DSV4_DEV int v4_exponent(float amax) { return ue8m0_ceil(fmaxf(amax, 1e-4f) / 448.0f); }
+  /// e4m3 code of a bf16-rounded value under scale 2^(e - 127), saturated to ±448.
+  static DSV4_DEV uint8_t v4_code(float q, int e) {
+    return e4m3_code(fminf(fmaxf(q * exp2_int(127 - e), -448.0f), 448.0f));
   }
 
   /// Walsh–Hadamard transform over the warp's 128 values (natural order), scaled by 128^-1/2.
@@ -213,43 +318,6 @@ struct Kernel {
   static DSV4_DEV float reduce_amax(float a, int lanes) {
     for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(kFullMask, a, m));
     return a;
-  }
-
-  /// V4 latent: 448 nope dims as e4m3 with one UE8M0 scale per 64-dim tile (values rounded to
-  /// bf16 first), then 64 rope dims as bf16; 7 scale bytes (byte 7 is padding, never written).
-  static DSV4_DEV void store_v4_fp8(float (&x)[C][4], int lane, uint8_t* data, uint8_t* scales) {
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      const bool rope = k == C - 1 && lane >= 16;
-      float q[4], amax = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) q[c] = __bfloat162float(__float2bfloat16_rn(x[k][c])), amax = fmaxf(amax, fabsf(q[c]));
-      amax = reduce_amax(amax, 16);  // half-warp = one 64-dim tile
-      if (rope) {
-        Vec<bf16_t, 4> r;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) r[c] = __float2bfloat16_rn(x[k][c]);
-        store_vec(reinterpret_cast<bf16_t*>(data + 448) + 4 * (lane - 16), r);
-        continue;
-      }
-      const int e = ue8m0_ceil(fmaxf(amax, 1e-4f) / 448.0f);
-      const float inv = exp2_int(127 - e);
-      uint32_t packed = 0;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) packed |= uint32_t{e4m3_code(fminf(fmaxf(q[c] * inv, -448.0f), 448.0f))} << (8 * c);
-      *reinterpret_cast<uint32_t*>(data + 128 * k + 4 * lane) = packed;
-      if (lane % 16 == 0) scales[2 * k + lane / 16] = static_cast<uint8_t>(e);
-    }
-  }
-
-  static DSV4_DEV void store_bf16(float (&x)[C][4], int lane, uint8_t* row) {
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      Vec<bf16_t, 4> r;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) r[c] = __float2bfloat16_rn(x[k][c]);
-      store_vec(reinterpret_cast<bf16_t*>(row) + 128 * k + 4 * lane, r);
-    }
   }
 
   /// Indexer fp8: one fp32 scale (not a power of two) over all 128 values.
@@ -288,19 +356,15 @@ struct NormRopeStore {
   using K = Kernel<DType, F, kPDL>;
   using L = Layout<F>;
 
-  /// kv [rows, hd]; plan rows (CompressPlan in prefill, DecodePlan in decode); freq fp32 [max_pos, 64];
-  /// out_loc int32/int64 (prefill: >= num_q_tokens entries, indexed by ragged id; decode: one per row);
-  /// kvcache u8 [num_pages, page_bytes].
-  static void run(TensorView kv, TensorView plan, TensorView norm_weight, TensorView freq, TensorView out_loc,
-                  TensorView kvcache, Optional<TensorView> status, int64_t page_size, int64_t compress_ratio,
-                  bool is_decode, double eps, int64_t num_q_tokens) {
-    const char* op = "compress_norm_rope_store";
-    Size rows{"rows"}, pages{"num_pages"}, max_pos{"max_pos"}, locs{"out_loc_len"};
-    Device dev;
+  /// Checks the plan rows (`rows` of them) and every store operand, and fills the parameters
+  /// (kv excluded): the fused compress-and-store kernel shares this with run().
+  static Params checked(const char* op, Size& rows, Device& dev, TensorView plan, TensorView norm_weight,
+                        TensorView freq, TensorView out_loc, TensorView kvcache, int32_t* status, int64_t page_size,
+                        int64_t compress_ratio, bool is_decode, double eps, int64_t num_q_tokens) {
+    Size pages{"num_pages"}, max_pos{"max_pos"}, locs{"out_loc_len"};
     expect(compress_ratio == 4 || compress_ratio == 128, op, "compress_ratio", "4 or 128", compress_ratio);
     expect(page_size > 0 && (page_size & (page_size - 1)) == 0, op, "page_size", "a power of two", page_size);
     const int64_t page_bytes = L::page_bytes(page_size);
-    Check(op, "kv", kv).shape({rows, L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous().aligned();
     Check(op, "plan[1]", plan).shape({rows, 16}).dtype(dl::kU8).cuda(dev).contiguous().aligned();
     Check(op, "norm_weight", norm_weight).shape({L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous()
         .aligned();
@@ -315,15 +379,13 @@ struct NormRopeStore {
                                                                      std::to_string(num_q_tokens) + ") entries"; },
              locs.value);
     }
-    if (status.has_value()) Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
     Params p{};
-    p.kv = kv.data_ptr();
     p.plan = plan.data_ptr();
     p.norm_weight = norm_weight.data_ptr();
     p.freq = static_cast<const float*>(freq.data_ptr());
     p.out_loc = out_loc.data_ptr();
     p.cache = static_cast<uint8_t*>(kvcache.data_ptr());
-    p.status = status.has_value() ? static_cast<int32_t*>(status.value().data_ptr()) : nullptr;
+    p.status = status;
     p.page_bytes = page_bytes;
     p.num_locs = pages.value * page_size;
     p.out_loc_len = locs.value;
@@ -334,6 +396,27 @@ struct NormRopeStore {
     p.eps = static_cast<float>(eps);
     p.loc64 = same_dtype(out_loc.dtype(), dl::kI64);
     p.is_decode = is_decode;
+    return p;
+  }
+
+  /// kv [rows, hd]; plan rows (CompressPlan in prefill, DecodePlan in decode); freq fp32 [max_pos, 64];
+  /// out_loc int32/int64 (prefill: >= num_q_tokens entries, indexed by ragged id; decode: one per row);
+  /// kvcache u8 [num_pages, page_bytes].
+  static void run(TensorView kv, TensorView plan, TensorView norm_weight, TensorView freq, TensorView out_loc,
+                  TensorView kvcache, Optional<TensorView> status, int64_t page_size, int64_t compress_ratio,
+                  bool is_decode, double eps, int64_t num_q_tokens) {
+    const char* op = "compress_norm_rope_store";
+    Size rows{"rows"};
+    Device dev;
+    Check(op, "kv", kv).shape({rows, L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous().aligned();
+    int32_t* status_ptr = nullptr;
+    if (status.has_value()) {
+      Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
+      status_ptr = static_cast<int32_t*>(status.value().data_ptr());
+    }
+    Params p = checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, status_ptr, page_size,
+                       compress_ratio, is_decode, eps, num_q_tokens);
+    p.kv = kv.data_ptr();
     launch(op, dev.dev, {div_ceil(p.rows, K::kWarps), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
   }
 };

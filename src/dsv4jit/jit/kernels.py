@@ -23,7 +23,11 @@ PLAN = KernelSpec(
              "prefill_host_lengths": "dsv4::plan::Planner<{pdl}>::prefill_host_lengths",
              "decode": "dsv4::plan::Planner<{pdl}>::decode",
              "prefill_counts": "dsv4::plan::prefill_counts",
-             "describe_status": "dsv4::plan::describe_status"},
+             "describe_status": "dsv4::plan::describe_status",
+             "prefill_online_device": "dsv4::plan::Planner<{pdl}>::prefill_online_device",
+             "prefill_online_host_lengths": "dsv4::plan::Planner<{pdl}>::prefill_online_host_lengths",
+             "decode_online": "dsv4::plan::Planner<{pdl}>::decode_online",
+             "prefill_online_counts": "dsv4::plan::prefill_online_counts"},
     serving=({"pdl": True}, {"pdl": False}),
     doc="compress/write/decode plans from device- or host-resident lengths",
 )
@@ -33,7 +37,10 @@ PLAN_HOST = KernelSpec(
     header="plan_host.h",
     params=(),
     exports={"prefill": "dsv4::plan::HostPlanner::prefill", "decode": "dsv4::plan::HostPlanner::decode",
-             "prefill_counts": "dsv4::plan::prefill_counts", "describe_status": "dsv4::plan::describe_status"},
+             "prefill_counts": "dsv4::plan::prefill_counts", "describe_status": "dsv4::plan::describe_status",
+             "prefill_online": "dsv4::plan::HostPlanner::prefill_online",
+             "decode_online": "dsv4::plan::HostPlanner::decode_online",
+             "prefill_online_counts": "dsv4::plan::prefill_online_counts"},
     serving=({},),
     target="host",
     doc="the planner on the CPU (all inputs and plans on the host)",
@@ -60,15 +67,53 @@ COMPRESS_C4 = _compress(4, (128, 256, 512), (512, 128))
 COMPRESS_C128 = _compress(128, (64, 128, 256, 512), (512,))
 
 STORE_FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
+STORE_FORMAT = Param("format", "enum", STORE_FORMATS, tuple(f"dsv4::store::Format::k{n}" for n in
+                                                          ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4")))
 STORE = KernelSpec(
     name="store",
     header="store.cuh",
-    params=(Param("dtype", "dtype", ("fp32", "bf16")),
-            Param("format", "enum", STORE_FORMATS, tuple(f"dsv4::store::Format::k{n}" for n in
-                                                         ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4"))), PDL),
+    params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run"},
     serving=tuple({"dtype": "fp32", "format": f, "pdl": True} for f in STORE_FORMATS),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
 )
 
-SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE)}
+
+_FUSED_ENTRY = "dsv4::fused::CompressAndStore<{ratio}, {state}, {input}, {format}, {pdl}>"
+FUSED = KernelSpec(
+    name="fused",
+    header="fused.cuh",
+    params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
+            Param("input", "dtype", ("fp32", "bf16")), PDL),
+    exports={"prefill": _FUSED_ENTRY + "::prefill", "decode": _FUSED_ENTRY + "::decode"},
+    serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32", "pdl": True}
+                  for r, f in ((4, "v4_fp8"), (4, "indexer_fp4"), (4, "indexer_fp8"), (128, "v4_fp8"))),
+    doc="compress + RMSNorm + RoPE (+ Hadamard) + quantize + paged store in one kernel (head_dim from the format)",
+    reject=lambda v: ("ratio 128 stores V4 rows (head_dim 512) only, not the indexer formats"
+                      if v["ratio"] == 128 and v["format"].startswith("indexer") else None),
+)
+
+_COMPAT_ENTRY = "dsv4::compat::CompatC4<{head_dim}, {state}, {input}, {output}, {pdl}>"
+COMPAT_C4 = KernelSpec(
+    name="compat_c4",
+    header="compat_c4.cuh",
+    params=(Param("head_dim", "int", (128, 512)), Param("state", "dtype", ("fp32", "bf16")),
+            Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
+    exports={"decode": _COMPAT_ENTRY + "::decode", "prefill": _COMPAT_ENTRY + "::prefill"},
+    serving=tuple({"head_dim": hd, "state": "fp32", "input": "fp32", "output": "fp32", "pdl": True}
+                  for hd in (512, 128)),
+    doc="the older c4 entry points (indices/seq_lens, ring or 4-aligned pages, ragged-indexed output)",
+)
+
+_ONLINE_ENTRY = "dsv4::online::Online<{head_dim}, {state}, {pdl}>"
+COMPRESS_ONLINE = KernelSpec(
+    name="compress_online",
+    header="online.cuh",
+    params=(Param("head_dim", "int", (128, 256, 512)), Param("state", "dtype", ("fp32", "bf16")), PDL),
+    exports={"prefill": _ONLINE_ENTRY + "::prefill", "decode": _ONLINE_ENTRY + "::decode"},
+    serving=tuple({"head_dim": 512, "state": st, "pdl": True} for st in ("fp32", "bf16")),
+    doc="online c128: one running softmax state row per request (prefill segments and decode steps)",
+)
+
+SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE, FUSED, COMPAT_C4)}
+SPECS[COMPRESS_ONLINE.name] = COMPRESS_ONLINE

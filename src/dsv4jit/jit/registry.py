@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 #: Our dtype names and the C++ types of ``csrc/common/types.cuh``.
 DTYPE_CPP = {"fp32": "float", "bf16": "dsv4::bf16_t", "fp16": "dsv4::fp16_t"}
@@ -72,6 +72,8 @@ class KernelSpec:
     target: str = "cuda"  # "cuda" (nvcc, one GPU arch) or "host" (host C++ compiler only)
     fast_math: bool = False
     doc: str = ""
+    # combinations the templates reject: returns why (a message), or None when the values are fine
+    reject: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None
     _by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,14 +91,18 @@ class KernelSpec:
         if missing:
             raise ValueError(f"kernel {self.name!r}: missing parameter(s) {missing}")
         canon = tuple((p.name, p.canonical(values[p.name])) for p in self.params)
+        why = self.reject(dict(canon)) if self.reject is not None else None
+        if why:
+            raise ValueError(f"kernel {self.name!r}: {why}")
         return Variant(self, canon)
 
     def serving_variants(self) -> list["Variant"]:
         return [self.variant(**v) for v in self.serving]
 
     def all_variants(self) -> list["Variant"]:
-        combos = itertools.product(*(p.choices for p in self.params))
-        return [self.variant(**dict(zip((p.name for p in self.params), c))) for c in combos]
+        names = [p.name for p in self.params]
+        combos = (dict(zip(names, c)) for c in itertools.product(*(p.choices for p in self.params)))
+        return [self.variant(**c) for c in combos if self.reject is None or not self.reject(c)]
 
 
 @dataclass(frozen=True)

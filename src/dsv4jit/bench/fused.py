@@ -1,0 +1,121 @@
+"""compress_and_store (fused) against compress_forward + compress_norm_rope_store (two-step).
+
+    python -m dsv4jit.bench.fused [--json] [--only TEXT]
+
+Both paths run on the same state pool, plans and inputs; times are medians of CUDA events (eager)
+and of CUDA-graph replay, per call. Bytes are what the fused op must move (compress_forward's
+bytes without the pooled rows, plus the cache rows stored), so its GB/s compares with the copy
+bandwidth; the two-step path additionally writes and reads back the pooled fp32 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from .. import plan_layout
+from ..ops import compress_and_store, compress_forward, compress_norm_rope_store
+from ..reference import store as ref_store
+from . import compress as bench_compress
+from . import timing
+
+PAGE_SIZE = {4: 64, 128: 2}
+STORED_BYTES = {"v4_fp8": 584, "v4_bf16": 1024, "indexer_fp8": 132, "indexer_fp4": 68}  # per stored row
+
+
+class Case:
+    """A compress case (bench.compress) plus the store operands of one format."""
+
+    def __init__(self, name, ratio, fmt, seq, ext):
+        hd = 512 if fmt.startswith("v4") else 128
+        self.name, self.fmt = name, fmt
+        self.c = bench_compress.Case(name, ratio, hd, seq, ext, ext is None)
+        dev = self.c.state.device
+        rows = self.c.plan[1].shape[0]
+        tokens = self.c.input.shape[0]
+        page_size = PAGE_SIZE[ratio]
+        pages = (max(rows, tokens) + page_size - 1) // page_size + 1
+        self.kvcache = torch.zeros(pages, ref_store.page_bytes(fmt, page_size), dtype=torch.uint8, device=dev)
+        locs = torch.randperm(pages * page_size, device=dev)[:tokens if ext is not None else rows]
+        angles = torch.rand(max(seq) + 1, 32, device=dev) * 6.283
+        self.store = dict(norm_weight=1 + 0.1 * torch.randn(hd, device=dev), norm_eps=1e-6,
+                          freq_cis=torch.polar(torch.ones_like(angles), angles), out_loc=locs,
+                          kvcache=self.kvcache, page_size=page_size, use_fp4=fmt == "indexer_fp4",
+                          bf16_store=fmt == "v4_bf16")
+        self.bytes = self.c.bytes - self._pooled_rows() * hd * 4 + self._pooled_rows() * (STORED_BYTES[fmt] + 8)
+
+    def _pooled_rows(self) -> int:
+        plan = self.c.plan
+        if plan.is_decode:
+            return int((plan_layout.decode_decode_plan(plan.plan_d).seq_len % self.c.ratio == 0).sum())
+        return int(plan.rows()[0].valid.sum())
+
+    def two_step(self):
+        c = self.c
+        kv = compress_forward(c.state, c.input, c.ape, c.plan, head_dim=c.hd, compress_ratio=c.ratio, out=c.out)
+        compress_norm_rope_store(kv, c.plan, **self.store)
+
+    def fused(self):
+        c = self.c
+        compress_and_store(c.state, c.input, c.ape, c.plan, head_dim=c.hd, compress_ratio=c.ratio, **self.store)
+
+
+def cases() -> list[tuple]:
+    """(name, ratio, format, seq_lens, extend_lens or None for decode)."""
+    out = []
+    for ratio, fmt in ((4, "v4_fp8"), (4, "indexer_fp4"), (128, "v4_fp8")):
+        hd = 512 if fmt == "v4_fp8" else 128
+        tag = f"c{ratio} hd{hd} {fmt}"
+        for b in (1, 16, 64, 256):
+            base = 512 if ratio == 128 else 400
+            out.append((f"decode {tag} B={b} boundary", ratio, fmt, [base + ratio * (i % 8) for i in range(b)], None))
+            out.append((f"decode {tag} B={b} mixed", ratio, fmt, [base + ratio * (i % 8) + i % 2 for i in range(b)],
+                        None))
+        for n in (8192, 32768):
+            out.append((f"prefill {tag} 1x{n}", ratio, fmt, [n], [n]))
+    return out
+
+
+def run(only: str = "") -> dict:
+    copy_gbs = timing.copy_bandwidth_gbs()
+    rows = []
+    for name, ratio, fmt, seq, ext in cases():
+        if only not in name:
+            continue
+        case = Case(name, ratio, fmt, seq, ext)
+        t_eager, t_graph = timing.event_us(case.two_step), timing.graph_us(case.two_step)
+        f_eager, f_graph = timing.event_us(case.fused), timing.graph_us(case.fused)
+        gbs = case.bytes / (min(f_eager, f_graph) * 1e-6) / 1e9
+        rows.append({"case": name, "bytes": case.bytes, "two_step_eager_us": t_eager, "two_step_graph_us": t_graph,
+                     "fused_eager_us": f_eager, "fused_graph_us": f_graph, "speedup_eager": t_eager / f_eager,
+                     "speedup_graph": t_graph / f_graph, "fused_gbs": gbs, "fused_pct_copy": 100 * gbs / copy_gbs})
+    return {"copy_gbs": copy_gbs, "rows": rows}
+
+
+def print_report(report: dict) -> None:
+    print(f"device copy bandwidth {report['copy_gbs']:.0f} GB/s")
+    width = max([len(r["case"]) for r in report["rows"]] + [4])
+    print(f"{'case':{width}s} {'MB':>8s} {'2-step eager':>12s} {'fused eager':>11s} {'x':>5s} "
+          f"{'2-step graph':>12s} {'fused graph':>11s} {'x':>5s} {'% copy':>7s}")
+    for r in report["rows"]:
+        print(f"{r['case']:{width}s} {r['bytes'] / 1e6:8.3f} {r['two_step_eager_us']:12.2f} {r['fused_eager_us']:11.2f} "
+              f"{r['speedup_eager']:5.2f} {r['two_step_graph_us']:12.2f} {r['fused_graph_us']:11.2f} "
+              f"{r['speedup_graph']:5.2f} {r['fused_pct_copy']:6.1f}%")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    args = p.parse_args(argv)
+    report = run(args.only)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+
+
+if __name__ == "__main__":
+    main()

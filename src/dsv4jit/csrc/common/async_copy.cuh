@@ -1,0 +1,22 @@
+// Asynchronous global -> shared copies (cp.async, sm_80+): a prefetch that holds no registers
+// while the kernel's main loads are in flight.
+#pragma once
+
+#include <cstdint>
+
+#include "types.cuh"
+
+namespace dsv4 {
+
+/// Copies kBytes (4, 8 or 16; both addresses aligned to it) from global to shared memory.
+template <int kBytes>
+DSV4_DEV void cp_async(void* smem, const void* gmem) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async moves 4, 8 or 16 bytes");
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(gmem), "n"(kBytes) : "memory");
+}
+
+/// Waits for every cp.async this thread issued (other threads' copies need a barrier after).
+DSV4_DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+}  // namespace dsv4

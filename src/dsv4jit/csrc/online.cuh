@@ -1,0 +1,318 @@
+// The online c128 compressor (SPEC §E): one running softmax state row per request instead of a
+// 128-row ring. A state row is m | s | k (3·hd values, BufferT): running max of z = score + ape,
+// running sum Σ exp(z − m), and the normalized average k = Σ kv·exp(z − m) / s. In registers the
+// state is a SoftmaxPartial {max = m, sum = s, acc = k·s}, so every update of §E (one token, a
+// segment, a stored state) is merge_into of window_softmax.cuh.
+//
+//   decode : unit = (request, 128-channel slice), one warp, 16-byte lanes. Fold the token into the
+//            stored state (reset at chunk offset 0); offset 127 emits k', others store the state and
+//            zero their output row (Decision 3).
+//   prefill: unit = (segment row, 64-channel slice), kWarps warps splitting the segment's (up to
+//            128) tokens 8 each; per-warp partials merge in shared memory, then into the stored
+//            state when the segment continues a chunk. Two launches in stream order: the compress
+//            pass (plan_c, writes output rows) reads stored states before the write pass (plan_w)
+//            replaces them.
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include "common/launch.cuh"
+#include "common/pdl.cuh"
+#include "common/plan_structs.h"
+#include "common/tensor_check.h"
+#include "common/types.cuh"
+#include "common/vec.cuh"
+#include "common/warp.cuh"
+#include "common/window_softmax.cuh"
+
+namespace dsv4::online {
+
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+
+inline constexpr int kChunk = 128;  // tokens per compressed row: the state restarts every kChunk positions
+
+/// Status bits for checked mode (the row is skipped).
+enum StatusBit : int32_t {
+  kStateRowOutOfRange = 1,
+  kRaggedRowOutOfRange = 2,
+  kBadSegment = 4,  // buffer_len is 0 or reaches before its chunk
+};
+
+struct Params {
+  void* state;          // [num_state_rows, 1, 3·hd] BufferT
+  const float* input;   // [num_input_rows, 2·hd]: kv | score
+  const float* ape;     // [128, hd]
+  float* out;           // [rows of plan_c or plan_d, hd]
+  const void* plan;     // CompressPlan segment rows (prefill passes) or DecodePlan rows
+  int64_t num_state_rows;
+  int64_t num_input_rows;
+  uint32_t num_rows;    // rows of `plan`
+  int32_t* status;      // checked mode: OR of StatusBit, else nullptr
+};
+
+template <int kHeadDim, typename BufferT, bool kPDL>
+struct Kernels {
+  static_assert(kHeadDim % 128 == 0, "online c128 needs head_dim % 128 == 0");
+
+  /// Per-thread coordinates of a unit made of `kUnitWarps` warps covering 32·C channels.
+  template <int C, int kUnitWarps>
+  struct Lane {
+    static constexpr int kSlices = kHeadDim / (kWarpSize * C);
+    uint32_t row;
+    int warp_in_unit;
+    int channel;  // first of this lane's C channels
+
+    DSV4_DEV static Lane of(int units_per_block) {
+      const int warp = threadIdx.x / kWarpSize;
+      const uint64_t unit = uint64_t{blockIdx.x} * units_per_block + warp / kUnitWarps;
+      const int slice = static_cast<int>(unit % kSlices);
+      return {static_cast<uint32_t>(unit / kSlices), warp % kUnitWarps,
+              slice * kWarpSize * C + static_cast<int>(threadIdx.x % kWarpSize) * C};
+    }
+  };
+
+  static DSV4_DEV void report(const Params& p, int32_t bit) {
+    if (p.status != nullptr) atomicOr(p.status, bit);
+  }
+
+  static DSV4_DEV bool state_row_ok(const Params& p, int32_t row) { return row >= 0 && row < p.num_state_rows; }
+
+  /// A stored state row as a partial: {m, s, k·s}.
+  template <int C>
+  static DSV4_DEV SoftmaxPartial<C> load_state(const Params& p, int32_t row, int channel) {
+    const BufferT* src = static_cast<const BufferT*>(p.state) + int64_t{row} * 3 * kHeadDim + channel;
+    const Vec<BufferT, C> m = load_vec<C>(src), s = load_vec<C>(src + kHeadDim), k = load_vec<C>(src + 2 * kHeadDim);
+    SoftmaxPartial<C> part;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      part.max[c] = to_f32(m[c]);
+      part.sum[c] = to_f32(s[c]);
+      part.acc[c] = to_f32(k[c]) * part.sum[c];
+    }
+    return part;
+  }
+
+  template <int C>
+  static DSV4_DEV void store_state(const Params& p, int32_t row, int channel, const SoftmaxPartial<C>& part) {
+    BufferT* dst = static_cast<BufferT*>(p.state) + int64_t{row} * 3 * kHeadDim + channel;
+    Vec<BufferT, C> m, s, k;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      m[c] = from_f32<BufferT>(part.max[c]);
+      s[c] = from_f32<BufferT>(part.sum[c]);
+      k[c] = from_f32<BufferT>(pooled_value(part, c));
+    }
+    store_vec(dst, m);
+    store_vec(dst + kHeadDim, s);
+    store_vec(dst + 2 * kHeadDim, k);
+  }
+
+  template <int C>
+  static DSV4_DEV void store_out(const Params& p, uint32_t row, int channel, const Vec<float, C>& v) {
+    store_vec(p.out + uint64_t{row} * kHeadDim + channel, v);
+  }
+
+  /// kv and z = score + ape[offset] of one input token.
+  template <int C>
+  static DSV4_DEV void load_token(const Params& p, int64_t ragged_row, int offset, int channel, float (&kv)[C],
+                                  float (&z)[C]) {
+    const float* row = p.input + ragged_row * 2 * kHeadDim + channel;
+    const Vec<float, C> k = load_vec<C>(row), sc = load_vec<C>(row + kHeadDim);
+    const Vec<float, C> bias = load_vec<C>(p.ape + offset * kHeadDim + channel);
+#pragma unroll
+    for (int c = 0; c < C; ++c) kv[c] = k[c], z[c] = sc[c] + bias[c];
+  }
+
+  // ---- decode ---------------------------------------------------------------------------------
+  static constexpr int kDecodeC = 4;  // 16-byte lanes: one warp covers 128 channels
+  static constexpr int kDecodeUnitsPerBlock = 4;
+  static constexpr int kDecodeThreads = kDecodeUnitsPerBlock * kWarpSize;
+  using DecodeLane = Lane<kDecodeC, 1>;
+
+  static DSV4_DEV void decode(const Params& p) {
+    constexpr int C = kDecodeC;
+    const DecodeLane lane = DecodeLane::of(kDecodeUnitsPerBlock);
+    pdl_wait_upstream<kPDL>();  // plans and inputs may come from the kernels just before
+    if (lane.row >= p.num_rows) return;
+    const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
+    const int offset = static_cast<int>((plan.seq_len - 1) % kChunk);
+    const bool load = offset != 0, emit = offset == kChunk - 1;
+    const bool ok = (!load || state_row_ok(p, plan.read_page_0)) && (emit || state_row_ok(p, plan.write_loc));
+    Vec<float, C> out;
+#pragma unroll
+    for (int c = 0; c < C; ++c) out[c] = 0.0f;
+    if (ok) {
+      SoftmaxPartial<C> token;
+      load_token<C>(p, lane.row, offset, lane.channel, token.acc, token.max);
+      SoftmaxPartial<C> state;
+      if (load) state = load_state<C>(p, plan.read_page_0, lane.channel);
+      pdl_launch_dependents<kPDL>();
+#pragma unroll
+      for (int c = 0; c < C; ++c) token.sum[c] = 1.0f;  // {m = z, s = 1, acc = kv}: the reset state
+      if (load) {
+        merge_into(state, token);
+      } else {
+        state = token;
+      }
+      if (emit) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) out[c] = pooled_value(state, c);
+      } else {
+        store_state(p, plan.write_loc, lane.channel, state);
+      }
+    } else if (lane.channel == 0) {
+      report(p, kStateRowOutOfRange);
+    }
+    store_out(p, lane.row, lane.channel, out);  // non-emitting rows are zero-filled
+  }
+
+  // ---- prefill --------------------------------------------------------------------------------
+  // 8-byte lanes keep 8 tokens' loads in flight at 64 registers, two units resident per SM (the
+  // same trade-off as the c128 ring kernel: one unit's merge overlaps the other's loads).
+  static constexpr int kPrefillC = 2;
+  static constexpr int kTokensPerWarp = 8;
+  static constexpr int kPrefillWarps = kChunk / kTokensPerWarp;
+  static constexpr int kPrefillThreads = kPrefillWarps * kWarpSize;
+  using PrefillLane = Lane<kPrefillC, kPrefillWarps>;
+
+  /// One segment row per unit; kStore: write pass (state -> read_page_0), else compress pass (output row).
+  template <bool kStore>
+  static DSV4_DEV void prefill(const Params& p) {
+    constexpr int C = kPrefillC;
+    const PrefillLane lane = PrefillLane::of(1);
+    pdl_wait_upstream<kPDL>();  // write pass: the compress pass has read every stored state
+    if (lane.row >= p.num_rows) return;
+    const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
+    if (plan.is_invalid()) return;
+    const int end = static_cast<int>((plan.seq_len - 1) % kChunk) + 1;  // chunk offsets [end - n, end)
+    const int n = plan.buffer_len;
+    const int64_t first_ragged = int64_t{plan.ragged_id} - n + 1;
+    const bool merge = end - n > 0;
+    const int32_t load_row = plan.read_page_1 >= 0 ? plan.read_page_1 : plan.read_page_0;
+    int32_t bad = 0;
+    if (n == 0 || n > end) bad |= kBadSegment;
+    if (first_ragged < 0 || plan.ragged_id >= p.num_input_rows) bad |= kRaggedRowOutOfRange;
+    if ((merge && !state_row_ok(p, load_row)) || (kStore && !state_row_ok(p, plan.read_page_0))) {
+      bad |= kStateRowOutOfRange;
+    }
+    if (bad) {
+      if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, bad);
+      return;
+    }
+    const bool lead = lane.warp_in_unit == 0;
+    SoftmaxPartial<C> stored;
+    if (lead && merge) stored = load_state<C>(p, load_row, lane.channel);  // in flight with the tokens
+    float kv[kTokensPerWarp][C], z[kTokensPerWarp][C];
+#pragma unroll
+    for (int i = 0; i < kTokensPerWarp; ++i) {
+      const int t = lane.warp_in_unit * kTokensPerWarp + i;
+      if (t < n) {
+        load_token<C>(p, first_ragged + t, end - n + t, lane.channel, kv[i], z[i]);
+      } else {  // past the segment: weight exactly 0, never loaded
+#pragma unroll
+        for (int c = 0; c < C; ++c) kv[i][c] = 0.0f, z[i][c] = -INFINITY;
+      }
+    }
+    pdl_launch_dependents<kPDL>();
+    SoftmaxPartial<C> part = pool_slots(kv, z);
+    __shared__ SoftmaxPartial<C> parts[kPrefillWarps][kWarpSize];
+    const int lane_id = threadIdx.x % kWarpSize;
+    parts[lane.warp_in_unit][lane_id] = part;
+    __syncthreads();
+    if (!lead) return;
+#pragma unroll
+    for (int w = 1; w < kPrefillWarps; ++w) merge_into(part, parts[w][lane_id]);
+    if (merge) {  // the stored partial covers the chunk's earlier tokens
+      merge_into(stored, part);
+      part = stored;
+    }
+    if constexpr (kStore) {
+      store_state(p, plan.read_page_0, lane.channel, part);
+    } else {
+      Vec<float, C> out;
+#pragma unroll
+      for (int c = 0; c < C; ++c) out[c] = pooled_value(part, c);
+      store_out(p, lane.row, lane.channel, out);
+    }
+  }
+};
+
+template <typename K>
+__global__ __launch_bounds__(K::kDecodeThreads) void decode_kernel(const __grid_constant__ Params p) {
+  K::decode(p);
+}
+
+template <typename K, bool kStore>
+__global__ __launch_bounds__(K::kPrefillThreads, 2) void prefill_kernel(const __grid_constant__ Params p) {
+  K::template prefill<kStore>(p);
+}
+
+/// Host entry points of one instantiation (checks every tensor before any launch).
+template <int kHeadDim, typename BufferT, bool kPDL>
+struct Online {
+  using K = Kernels<kHeadDim, BufferT, kPDL>;
+
+  static Params common(const char* op, const TensorView& state, const TensorView& input, const TensorView& ape,
+                       const TensorView& out, const Optional<TensorView>& status, Size& input_rows, Size& out_rows,
+                       Device& dev) {
+    Size state_rows{"num_state_rows"};
+    Check(op, "kv_score_buffer", state).shape({state_rows, 1, 3 * kHeadDim}).dtype(DTypeInfo<BufferT>::dtype)
+        .cuda(dev).contiguous().aligned();
+    Check(op, "kv_score_input", input).shape({input_rows, 2 * kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous()
+        .aligned();
+    Check(op, "ape", ape).shape({kChunk, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+    Check(op, "out", out).shape({out_rows, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+    if (status.has_value()) Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
+    Params p{};
+    p.state = state.data_ptr();
+    p.input = static_cast<const float*>(input.data_ptr());
+    p.ape = static_cast<const float*>(ape.data_ptr());
+    p.out = static_cast<float*>(out.data_ptr());
+    p.num_state_rows = state_rows.value;
+    p.num_input_rows = input_rows.value;
+    p.status = status.has_value() ? static_cast<int32_t*>(status.value().data_ptr()) : nullptr;
+    return p;
+  }
+
+  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
+                      TensorView plan_w, TensorView out, Optional<TensorView> status) {
+    const char* op = "compress_forward";
+    Size input_rows{"num_q_tokens"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+    Device dev;
+    Params p = common(op, kv_score_buffer, kv_score_input, ape, out, status, input_rows, rows_c, dev);
+    Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
+        .contiguous().aligned();
+    Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
+        .contiguous().aligned();
+    expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
+           rows_w.value);
+    constexpr int kSlices = K::PrefillLane::kSlices;
+    p.plan = plan_c.data_ptr();
+    p.num_rows = static_cast<uint32_t>(rows_c.value);
+    launch(op, dev.dev, {static_cast<unsigned>(p.num_rows * kSlices), K::kPrefillThreads}, kPDL,
+           prefill_kernel<K, false>, p);
+    p.plan = plan_w.data_ptr();
+    p.num_rows = static_cast<uint32_t>(rows_w.value);
+    launch(op, dev.dev, {static_cast<unsigned>(p.num_rows * kSlices), K::kPrefillThreads}, kPDL,
+           prefill_kernel<K, true>, p);
+  }
+
+  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
+                     TensorView out, Optional<TensorView> status) {
+    const char* op = "compress_forward";
+    Size batch{"batch_size"};
+    Device dev;
+    Params p = common(op, kv_score_buffer, kv_score_input, ape, out, status, batch, batch, dev);
+    Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(dev)
+        .contiguous().aligned();
+    p.plan = plan_d.data_ptr();
+    p.num_rows = static_cast<uint32_t>(batch.value);
+    const uint64_t units = uint64_t{p.num_rows} * K::DecodeLane::kSlices;
+    launch(op, dev.dev, {div_ceil(units, K::kDecodeUnitsPerBlock), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
+  }
+};
+
+}  // namespace dsv4::online

@@ -1,0 +1,127 @@
+"""Comparison of two engines' final states and caches (SPEC Decision 6: the precision contract).
+
+States are copies of input rows, so they must be bit-identical. Caches are compared per format:
+
+* every byte outside the tokens that were stored (other slots, V4 scale byte 7, page padding)
+  must be identical;
+* every stored token must be written in both caches (its scale bytes are never all zero);
+* the dequantized values may differ only where an fp32 rounding tie flipped one code (the kernels
+  pool with a fast exponential, so their fp32 rows differ from the reference by about an ulp):
+  each difference is within one code step (plus a scale flip at a power-of-two boundary), and at
+  most ``FLIP_FRACTION`` of the values differ at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..reference import store as layout
+from ..reference.store import read_cache
+
+#: (data row stride, data bytes, scale row stride, scale bytes) of one token in its page (SPEC §F.5);
+#: byte 7 of a V4 scale row is padding that no one writes.
+_SPANS = {
+    "v4_fp8": (layout.V4_DATA_BYTES, layout.V4_DATA_BYTES, layout.V4_SCALE_BYTES, layout.V4_NOPE_DIM // layout.V4_TILE),
+    "indexer_fp8": (layout.INDEXER_FP8_DATA_BYTES,) * 2 + (layout.INDEXER_FP8_SCALE_BYTES,) * 2,
+    "indexer_fp4": (layout.INDEXER_FP4_DATA_BYTES,) * 2 + (layout.INDEXER_FP4_SCALE_BYTES,) * 2,
+}
+#: Largest share of stored values allowed to differ (a flipped UE8M0 scale moves a whole 64- or 32-value tile).
+FLIP_FRACTION = {"v4_fp8": 5e-3, "indexer_fp8": 5e-3, "indexer_fp4": 2e-2}
+
+
+@dataclass
+class Check:
+    layer: int
+    compressor: str
+    part: str  # "state" or "cache"
+    ok: bool
+    detail: str
+
+
+def compare_state(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+    got = got.cpu().reshape(-1, got.shape[-1])
+    want = want.cpu().reshape(-1, want.shape[-1])
+    differ = (got.view(torch.int32) != want.view(torch.int32)).any(dim=1)
+    if not bool(differ.any()):
+        return True, f"bit-identical ({got.shape[0]} rows)"
+    return False, f"{int(differ.sum())} of {got.shape[0]} rows differ (first row {int(differ.nonzero()[0])})"
+
+
+def _span_index(fmt: str, page_size: int, page_bytes: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat byte indices of each stored token's data and scale bytes: ([n, data], [n, scale])."""
+    data_stride, data_len, scale_stride, scale_len = _SPANS[fmt]
+    page, slot = locs // page_size, locs % page_size
+    base = page * page_bytes
+    data = base[:, None] + (slot * data_stride)[:, None] + torch.arange(data_len)
+    scale = base[:, None] + (page_size * data_stride + slot * scale_stride)[:, None] + torch.arange(scale_len)
+    return data, scale
+
+
+def _allowed_error(fmt: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One quantization step at each value (e4m3: 2^-3 relative plus the subnormal step; fp4: the
+    grid's step), plus one bf16 ulp for the V4 rope dims; from the larger of the two values."""
+    m = torch.maximum(a.abs(), b.abs())
+    n = m.shape[0]
+    if fmt == "indexer_fp4":
+        amax = m.reshape(n, 4, 32).amax(-1, keepdim=True).expand(n, 4, 32).reshape(n, 128)
+        return 0.5 * m + amax / 3
+    if fmt == "indexer_fp8":
+        amax = m.amax(-1, keepdim=True)
+        return 2.0 ** -3 * m + 2.0 ** -8 * amax / 448 + 2.0 ** -20 * amax
+    nope, rope = m[:, :448], m[:, 448:]
+    tile_amax = nope.reshape(n, 7, 64).amax(-1, keepdim=True).expand(n, 7, 64).reshape(n, 448)
+    nope_bound = 2.0 ** -3 * nope + 2.0 ** -8 * tile_amax.clamp_min(1e-4) / 448
+    rope_bound = 2.0 ** -7 * rope + 2.0 ** -20 * rope.amax(-1, keepdim=True)
+    return torch.cat([nope_bound, rope_bound], dim=1)
+
+
+def compare_cache(fmt: str, page_size: int, got: torch.Tensor, want: torch.Tensor,
+                  locs: torch.Tensor) -> tuple[bool, str]:
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        return False, f"cache shapes differ: {list(got.shape)} vs {list(want.shape)}"
+    locs = torch.unique(locs.cpu().to(torch.int64))
+    data, scale = _span_index(fmt, page_size, got.shape[1], locs)
+    flat_got, flat_want = got.reshape(-1), want.reshape(-1)
+    owned = torch.zeros_like(flat_got, dtype=torch.bool)
+    owned[data.reshape(-1)] = True
+    owned[scale.reshape(-1)] = True
+    outside = int((flat_got != flat_want)[~owned].sum())
+    if outside:
+        return False, f"{outside} bytes outside the {len(locs)} stored tokens differ"
+    for name, cache in (("kernel", flat_got), ("reference", flat_want)):
+        unwritten = int((cache[scale] == 0).all(dim=1).sum())
+        if unwritten:
+            return False, f"{unwritten} of {len(locs)} tokens were never stored in the {name} cache"
+    if not len(locs):
+        return True, "no tokens stored"
+    a = read_cache(fmt, got, locs, page_size).to(torch.float64)
+    b = read_cache(fmt, want, locs, page_size).to(torch.float64)
+    err = (a - b).abs()
+    if not bool(torch.isfinite(a).all()):
+        return False, "non-finite values in the cache"
+    beyond = err > _allowed_error(fmt, a, b)
+    if bool(beyond.any()):
+        t, d = beyond.nonzero()[0].tolist()
+        return False, (f"{int(beyond.sum())} values beyond one quantization step; first: token {t} dim {d}: "
+                       f"{float(a[t, d]):.6g} vs reference {float(b[t, d]):.6g}")
+    differ = int((err > 0).sum())
+    allowed = max(1, int(FLIP_FRACTION[fmt] * err.numel()))
+    if differ > allowed:
+        return False, f"{differ} of {err.numel()} values differ (at most {allowed} rounding ties allowed)"
+    if differ:
+        return True, f"{len(locs)} tokens; {differ} of {err.numel()} values off by one step (rounding ties)"
+    return True, f"{len(locs)} tokens; byte-identical"
+
+
+def compare_engines(got, want, stored: dict[int, torch.Tensor]) -> list[Check]:
+    """Checks of every compressor: `got` (the engine under test) against `want` (the reference)."""
+    checks = []
+    for (layer, comp), (_, ref) in zip(got.compressors(), want.compressors()):
+        spec = comp.spec
+        checks.append(Check(layer, spec.name, "state", *compare_state(comp.state, ref.state)))
+        checks.append(Check(layer, spec.name, "cache",
+                            *compare_cache(spec.store, spec.page_size, comp.cache, ref.cache, stored[spec.ratio])))
+    return checks

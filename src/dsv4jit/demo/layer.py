@@ -1,0 +1,103 @@
+"""The compressors of DeepSeek-V4 layers: what each one owns, and the per-layer step.
+
+A c4 layer has two compressors sharing the c4 plan (the core latent, head_dim 512, and the sparse
+attention indexer, head_dim 128); a c128 layer has one (head_dim 512). ``step`` is the only place
+the demo calls the ops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import compress_forward, compress_norm_rope_store
+from ..reference.store import page_bytes
+from .pool import SWA_PAGE, PagedPool
+
+NORM_EPS = 1e-6          # rms_norm_eps
+ROPE_THETA = 40000.0     # compress_rope_theta
+ROPE_DIM = 64
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    name: str
+    ratio: int
+    head_dim: int
+    store: str  # cache format (reference.store.FORMATS)
+
+    @property
+    def ring_size(self) -> int:
+        return 8 if self.ratio == 4 else 128  # no speculative decoding
+
+    @property
+    def window(self) -> int:
+        return 8 if self.ratio == 4 else 128
+
+    @property
+    def last_dim(self) -> int:
+        """Values per token row of the state and of the kv_score input (kv and score, overlap roles for c4)."""
+        return (4 if self.ratio == 4 else 2) * self.head_dim
+
+    @property
+    def page_size(self) -> int:
+        """Compressed tokens per cache page: one page per 256-token full page."""
+        return SWA_PAGE // self.ratio
+
+    @property
+    def use_fp4(self) -> bool:
+        return self.store == "indexer_fp4"
+
+
+C4_CORE = CompressorSpec("c4 core", 4, 512, "v4_fp8")
+C4_INDEXER_FP4 = CompressorSpec("c4 indexer", 4, 128, "indexer_fp4")
+C4_INDEXER_FP8 = CompressorSpec("c4 indexer", 4, 128, "indexer_fp8")
+C128_CORE = CompressorSpec("c128 core", 128, 512, "v4_fp8")
+
+
+def layer_specs(num_layers: int, indexer_fp8: bool = False) -> list[tuple[CompressorSpec, ...]]:
+    """Layers alternate compress ratios 4 and 128 (as DeepSeek-V4's compressed layers do)."""
+    c4 = (C4_CORE, C4_INDEXER_FP8 if indexer_fp8 else C4_INDEXER_FP4)
+    return [c4 if i % 2 == 0 else (C128_CORE,) for i in range(num_layers)]
+
+
+class Compressor:
+    """One compressor of one layer on one device: weights, its state ring pool and its cache."""
+
+    def __init__(self, spec: CompressorSpec, pool: PagedPool, gen: torch.Generator, device: torch.device):
+        self.spec = spec
+        # c4 state follows SWA pages (a ring of 8 rows per page); c128 has a ring per request slot.
+        rings = pool.num_swa_pages if spec.ratio == 4 else pool.num_slots
+        rows = rings * spec.ring_size
+        self.state = torch.zeros(rows // spec.ratio, spec.ratio, spec.last_dim, device=device)
+        self.cache = torch.zeros(pool.num_full_pages, page_bytes(spec.store, spec.page_size), dtype=torch.uint8,
+                                 device=device)
+        # Weights are drawn on the CPU so that every engine of a run gets the same ones.
+        self.ape = (0.5 * torch.randn(spec.window, spec.head_dim, generator=gen)).to(device)
+        self.norm_weight = (0.5 + torch.rand(spec.head_dim, generator=gen)).to(device)
+
+
+def step(comp: Compressor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor, freq_cis: torch.Tensor) -> None:
+    """One compressor for one forward step: pool the windows this step closes and update the state
+    ring, then RMSNorm + RoPE (+ Hadamard) + quantize into the compressed cache."""
+    spec = comp.spec
+    kv = compress_forward(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio)
+    compress_norm_rope_store(kv, plan, norm_weight=comp.norm_weight, norm_eps=NORM_EPS, freq_cis=freq_cis,
+                             out_loc=out_loc, kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4)
+
+
+def yarn_freq_cis(max_pos: int, *, theta: float = ROPE_THETA, factor: float = 16.0, original: int = 65536,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """complex64 ``[max_pos, 32]`` rotations of the 64 rope dims; YaRN-scaled past ``original`` positions."""
+    freqs = 1.0 / theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM)
+    if max_pos > original:
+        def dim_of(rotations: float) -> float:
+            return ROPE_DIM * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), ROPE_DIM - 1)
+        ramp = ((torch.arange(ROPE_DIM // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)

@@ -1,0 +1,247 @@
+"""The demo's driver: build the pool and the schedule, run every step on the engine under test and
+on the reference backend with the same inputs, time it, compare the final states and caches."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from .. import runtime
+from .check import Check, compare_engines
+from .engine import DecodeGraph, Engine, Inputs, Timer
+from .layer import CompressorSpec, layer_specs
+from .pool import PagedPool, Step, out_loc, schedule
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    requests: int = 8
+    min_prompt: int = 64
+    max_prompt: int = 2048
+    chunk: int = 2048            # prefill token budget per step
+    decode_steps: int = 128
+    layers: int = 2              # alternating c4 / c128
+    seed: int = 0
+    indexer_fp8: bool = False    # indexer cache in fp8 instead of fp4
+    graph: bool = True           # capture the decode step in a CUDA graph (GPU only)
+    decode_plans: str = "in-graph"  # "in-graph" or "copy" (see DecodeGraph)
+    check: bool = True           # also run the reference backend and compare
+
+    def validate(self) -> None:
+        for name in ("requests", "min_prompt", "chunk", "layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_steps < 0:
+            raise ValueError(f"demo: decode_steps must be >= 0, got {self.decode_steps}")
+        if self.max_prompt < self.min_prompt:
+            raise ValueError(f"demo: max_prompt ({self.max_prompt}) must be >= min_prompt ({self.min_prompt})")
+        if self.chunk > 65536:
+            raise ValueError(f"demo: chunk (tokens per prefill step) must be <= 65536, got {self.chunk}")
+        if self.decode_plans not in ("in-graph", "copy"):
+            raise ValueError(f"demo: decode_plans must be 'in-graph' or 'copy', got {self.decode_plans!r}")
+
+
+#: Defaults on a GPU, and the small size the reference backend runs when there is none.
+GPU_DEFAULTS = DemoConfig()
+CPU_DEFAULTS = DemoConfig(requests=3, min_prompt=100, max_prompt=400, chunk=256, decode_steps=40, layers=2)
+
+
+@dataclass
+class Phase:
+    phase: str
+    mode: str
+    steps: int
+    tokens: int
+    us_per_step: float
+    us_per_layer_step: float
+    tokens_per_s: float
+    plan_us_per_step: float | None  # None when the plans are built inside the decode graph
+
+
+@dataclass
+class DemoResult:
+    ok: bool
+    device: str
+    device_name: str
+    backend: str                 # "kernels" or "reference"
+    config: dict
+    prompt_lens: list[int]
+    layer_kinds: list[str]
+    load_seconds: float
+    phases: list[Phase] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"demo: device must be cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"demo: device {device!r} requested, but no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    if dev.type != "cpu":
+        raise ValueError(f"demo: device must be cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def make_inputs(s: Step, specs: list[tuple[CompressorSpec, ...]], gen: torch.Generator) -> Inputs:
+    """kv_score rows standing in for the wkv_gate GEMM: kv ~ N(0, 1), scores ~ N(0, 4)."""
+    inputs = []
+    for layer in specs:
+        rows = []
+        for spec in layer:
+            x = torch.randn(s.num_tokens, spec.last_dim, generator=gen)
+            x[:, spec.last_dim // 2:] *= 2.0     # score columns are the second half in both layouts
+            rows.append(x)
+        inputs.append(rows)
+    return inputs
+
+
+def warm_up(device: torch.device, specs: list[tuple[CompressorSpec, ...]]) -> float:
+    """Load (compiling if needed) every kernel the flow uses, on a throwaway pool; returns seconds."""
+    start = time.perf_counter()
+    kinds = list(dict.fromkeys(specs))
+    gen = torch.Generator().manual_seed(0)
+    pool = PagedPool(1, 256, gen)
+    engine = Engine(device, pool, kinds, seed=0)
+    timer = Timer(device)
+    for s in schedule([130], [0], 256, 1):
+        run = engine.prefill if s.kind == "prefill" else engine.decode
+        run(s, make_inputs(s, kinds, gen), timer)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+class Progress:
+    """A one-line bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled and total > 0
+
+    def update(self, done: int) -> None:
+        if self.enabled:
+            filled = 30 * done // self.total
+            sys.stderr.write(f"\rdemo [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} steps")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run_demo(config: DemoConfig, device: str | None = None, *, progress: bool = False,
+             before_check: Callable[[Engine], None] | None = None) -> DemoResult:
+    """Run the flow; ``before_check(engine)`` may alter the engine under test before the comparison."""
+    config.validate()
+    dev = resolve_device(device)
+    gen = torch.Generator().manual_seed(config.seed)
+    prompt_lens = torch.randint(config.min_prompt, config.max_prompt + 1, (config.requests,), generator=gen).tolist()
+    num_slots = config.requests + 2                       # a few request slots stay free
+    pool = PagedPool(num_slots, max(prompt_lens) + config.decode_steps, gen)
+    slots = torch.randperm(num_slots, generator=gen)[:config.requests].tolist()
+    steps = schedule(prompt_lens, slots, config.chunk, config.decode_steps)
+    specs = layer_specs(config.layers, config.indexer_fp8)
+    load_seconds = warm_up(dev, specs) if dev.type == "cuda" else 0.0
+
+    engine = Engine(dev, pool, specs, seed=config.seed + 1)
+    reference = Engine(CPU, pool, specs, seed=config.seed + 1) if config.check else None
+    timer, ref_timer = Timer(dev), Timer(CPU)
+    use_graph = dev.type == "cuda" and config.graph and not runtime.checks_enabled()  # checked mode syncs
+    graph = None
+    stored: dict[int, list[torch.Tensor]] = {spec.ratio: [] for layer in specs for spec in layer}
+    bar = Progress(len(steps), progress)
+    for i, s in enumerate(steps):
+        inputs = make_inputs(s, specs, gen)
+        token_slots, positions = s.token_positions()
+        for r, kept in stored.items():   # the locations this step must store (0: no window closes)
+            locs = out_loc(pool.req_to_token, token_slots, positions, r)
+            kept.append(locs[locs > 0])
+        if s.kind == "prefill":
+            engine.prefill(s, inputs, timer)
+        elif graph is not None:
+            graph.replay(s, inputs, timer)
+        else:
+            engine.decode(s, inputs, timer, phase="capture" if use_graph else "decode")
+            if use_graph:   # the first decode step ran eagerly (it also loaded the decode kernels)
+                graph = DecodeGraph(engine, s.slots, inputs, config.decode_plans)
+        if reference is not None:
+            (reference.prefill if s.kind == "prefill" else reference.decode)(s, inputs, ref_timer)
+        bar.update(i + 1)
+    bar.close()
+
+    phases = []
+    for phase, mode in (("prefill", "eager"), ("decode", "cuda graph" if use_graph else "eager")):
+        n, total_us, plan_us = timer.totals(phase)
+        if n:
+            tokens = sum(s.num_tokens for s in steps if s.kind == phase) if phase == "prefill" else n * len(slots)
+            if use_graph and phase == "decode" and config.decode_plans == "in-graph":
+                plan_us = None
+            phases.append(Phase(phase, mode, n, tokens, total_us / n, total_us / (n * config.layers),
+                                tokens / (total_us * 1e-6) if total_us > 0 else float("inf"),
+                                plan_us / n if plan_us is not None else None))
+    if before_check is not None:
+        before_check(engine)
+    checks = []
+    if reference is not None:
+        checks = compare_engines(engine, reference, {r: torch.cat(v) for r, v in stored.items()})
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return DemoResult(ok=all(c.ok for c in checks), device=str(dev), device_name=name,
+                      backend="kernels" if dev.type == "cuda" else "reference",
+                      config=asdict(config), prompt_lens=prompt_lens,
+                      layer_kinds=[" + ".join(f"{sp.name} ({sp.store})" for sp in layer) for layer in specs],
+                      load_seconds=load_seconds, phases=phases, checks=checks)
+
+
+def config_for(device: torch.device, **overrides) -> DemoConfig:
+    """The defaults of the device kind with the given (non-None) options applied."""
+    base = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def format_result(result: DemoResult) -> list[str]:
+    cfg = result.config
+    backend = ("CUDA kernels" if result.backend == "kernels"
+               else "the torch reference backend (CPU tensors; no kernels run)")
+    sizes = (f"requests {cfg['requests']} (prompts {min(result.prompt_lens)}-{max(result.prompt_lens)}, "
+             f"{sum(result.prompt_lens)} tokens), prefill chunk {cfg['chunk']} tokens, {cfg['decode_steps']} decode "
+             f"steps, seed {cfg['seed']}")
+    lines = [f"dsv4jit demo on {result.device_name} ({result.device}): {backend}", sizes,
+             f"layers {cfg['layers']}: " + "; ".join(dict.fromkeys(result.layer_kinds)) + " (alternating)"]
+    if result.backend == "kernels":
+        lines.append(f"kernel load (compiles on a cold cache): {result.load_seconds:.2f} s")
+    clock = "CUDA events" if result.backend == "kernels" else "host clock"
+    header = (f"{'phase':8s} {'mode':11s} {'steps':>6s} {'tokens':>8s} {'plan µs':>9s} {'µs/step':>10s} "
+              f"{'µs/layer-step':>14s} {'tokens/s':>11s}   ({clock})")
+    lines += ["", header]
+    for p in result.phases:
+        plan = f"{p.plan_us_per_step:9.1f}" if p.plan_us_per_step is not None else f"{'in graph':>9s}"
+        lines.append(f"{p.phase:8s} {p.mode:11s} {p.steps:6d} {p.tokens:8d} {plan} {p.us_per_step:10.1f} "
+                     f"{p.us_per_layer_step:14.1f} {p.tokens_per_s:11.4g}")
+    if result.backend == "kernels" and any(p.phase == "decode" and p.mode == "cuda graph" for p in result.phases):
+        lines.append("decode: the first step runs eagerly before the capture and is not timed")
+    lines.append("")
+    if not result.checks:
+        lines.append("not checked against the reference backend (--no-check)")
+        return lines
+    what = ("the reference backend (CPU)" if result.backend == "kernels"
+            else "a second reference run (no kernels here: this checks the flow, not the kernels)")
+    lines.append(f"final states and caches against {what}:")
+    for c in result.checks:
+        lines.append(f"  layer {c.layer:<3d} {c.compressor:11s} {c.part:5s} {'ok ' if c.ok else 'MISMATCH'}  {c.detail}")
+    failed = sum(not c.ok for c in result.checks)
+    lines.append("every state and cache matched" if not failed else f"{failed} of {len(result.checks)} checks FAILED")
+    return lines

@@ -1,0 +1,92 @@
+"""compress_forward(..., is_online=True): the online c128 compressor (SPEC §E).
+
+Each request keeps one running softmax state row (m | s | k, ``3·head_dim`` values, fp32 or bf16)
+instead of a 128-row ring; plans come from ``CompressorPrefillPlan.generate_online`` /
+``CompressorDecodePlan.generate_online``. Input, ape and output are fp32. CUDA tensors run
+csrc/online.cuh; CPU tensors run reference/online.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library, runtime
+from .ops import _cuda_device, _describe
+from .plan import CompressorDecodePlan, CompressorPrefillPlan
+from .reference import online as ref_online
+
+_OP = "compress_forward"
+_RATIO = 128
+_KERNEL_HEAD_DIMS = (128, 256, 512)
+_STATUS = {1: "a plan row names a state row outside kv_score_buffer",
+           2: "a segment row names ragged rows outside kv_score_input",
+           4: "a segment row's buffer_len is 0 or reaches before its 128-token chunk"}
+
+
+def compress_forward_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+                            plan: CompressorPrefillPlan | CompressorDecodePlan, *, head_dim: int,
+                            compress_ratio: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fold this step's tokens into the running states; returns ``[plan[1].shape[0], head_dim]`` fp32.
+
+    kv_score_buffer: ``[rows, 1, 3·head_dim]`` (or flat ``[rows, 3·head_dim]``), fp32 or bf16, updated in
+    place. kv_score_input: ``[tokens, 2·head_dim]`` fp32. ape: ``[128, head_dim]`` (converted to fp32).
+    Prefill: output row i is the pooled row of the segment in plan_c row i (invalid rows untouched).
+    Decode: row b holds the pooled row when position seq_len − 1 closes a 128-chunk, else zeros.
+    """
+    if compress_ratio != _RATIO:
+        raise ValueError(f"dsv4jit.{_OP}: argument 'compress_ratio' must be 128 with is_online=True, "
+                         f"got {compress_ratio}")
+    if plan.compress_ratio != _RATIO:
+        raise ValueError(f"dsv4jit.{_OP}: argument 'plan' must be an online (compress_ratio 128) plan, "
+                         f"got compress_ratio {plan.compress_ratio}")
+    if head_dim <= 0 or head_dim % 128:
+        raise ValueError(f"dsv4jit.{_OP}: argument 'head_dim' must be a positive multiple of 128 with "
+                         f"is_online=True, got {head_dim}")
+    if not plan.is_decode and plan.plan_w.shape[-1] != 16:
+        raise ValueError(f"dsv4jit.{_OP}: argument 'plan' must come from generate_online (16-byte plan_w rows), "
+                         f"got plan_w of shape {list(plan.plan_w.shape)}")
+    if kv_score_input.dtype != torch.float32:
+        raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_input': dtype must be float32 with is_online=True, "
+                        f"got {kv_score_input.dtype}")
+    if not ape.dtype.is_floating_point:
+        raise TypeError(f"dsv4jit.{_OP}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
+    if ape.dtype != torch.float32:
+        ape = ape.to(torch.float32)
+    if out is None:
+        out = torch.empty((plan[1].shape[0], head_dim), dtype=torch.float32, device=kv_score_input.device)
+    _compress_online(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
+                     head_dim)
+    return out
+
+
+@library.custom_op("compress_online", mutates_args=("kv_score_buffer", "out"))
+def _compress_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+                     plan_rows: torch.Tensor, plan_w: torch.Tensor | None, out: torch.Tensor,
+                     head_dim: int) -> None:
+    """compress_forward_online on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode)."""
+    state_width = 3 * head_dim
+    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == state_width and kv_score_buffer.is_contiguous():
+        kv_score_buffer = kv_score_buffer.view(-1, 1, state_width)
+    device = _cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
+    if device is None:
+        if plan_w is None:
+            ref_online.online_decode(kv_score_buffer, kv_score_input, ape, plan_rows, head_dim=head_dim, out=out)
+        else:
+            ref_online.online_prefill(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, head_dim=head_dim,
+                                      out=out)
+        return
+    if head_dim not in _KERNEL_HEAD_DIMS:
+        raise ValueError(f"dsv4jit.{_OP}: argument 'head_dim' must be one of {list(_KERNEL_HEAD_DIMS)} on CUDA "
+                         f"with is_online=True, got {head_dim}")
+    states = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if kv_score_buffer.dtype not in states:
+        raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
+                        f"got {kv_score_buffer.dtype}")
+    fn = runtime.function("compress_online", "decode" if plan_w is None else "prefill", device, head_dim=head_dim,
+                          state=states[kv_score_buffer.dtype])
+    status = runtime.status_word(device)
+    if plan_w is None:
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
+    else:
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
+    runtime.raise_status(status, _OP, _describe(_STATUS))

@@ -1,0 +1,159 @@
+"""``dsv4jit.warmup``: build and load, ahead of time, every kernel variant a model configuration reaches.
+
+(The module is not named ``warmup``: a submodule of that name would shadow the function on the package.)
+
+A variant the ops meet for the first time compiles (seconds) and loads; during CUDA-graph capture or
+torch.compile tracing, or under a serving start-up timeout, that is too late. Each op family has a
+"reach" function below mapping a configuration to the (kernel, parameters) its calls resolve to,
+exactly as the ops pass them to ``runtime.function``; a new op adds one entry to ``_REACH``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from . import env, runtime
+from .jit import build, loader
+from .jit.registry import Variant, unique
+from .jit.toolchain import Arch, toolchain
+from .ops import _DTYPE_NAMES, _store_format
+
+#: DeepSeek-V4: c4 layers compress the latent (512) and the indexer keys (128), c128 layers the latent.
+MODEL_HEAD_DIMS: Mapping[int, tuple[int, ...]] = {4: (512, 128), 128: (512,)}
+
+
+@dataclass(frozen=True)
+class _Config:
+    head_dims: Mapping[int, tuple[int, ...]]
+    state: str
+    input: str
+    output: str
+    use_fp4: bool
+    bf16_store: bool
+
+    def pairs(self):
+        return [(ratio, hd) for ratio, dims in self.head_dims.items() for hd in dims]
+
+    def store_format(self, head_dim: int) -> str:
+        return _store_format(head_dim, self.use_fp4 and head_dim == 128, self.bf16_store and head_dim == 512)
+
+
+def _plan(cfg: _Config):
+    return [("plan", {})]
+
+
+def _compress(cfg: _Config):
+    return [(f"compress_c{ratio}", {"head_dim": hd, "state": cfg.state, "input": cfg.input, "output": cfg.output})
+            for ratio, hd in cfg.pairs()]
+
+
+def _store(cfg: _Config):
+    return [("store", {"dtype": cfg.output, "format": cfg.store_format(hd)}) for _, hd in cfg.pairs()]
+
+
+def _fused(cfg: _Config):
+    return [("fused", {"ratio": ratio, "format": cfg.store_format(hd), "state": cfg.state, "input": cfg.input})
+            for ratio, hd in cfg.pairs()]
+
+
+def _online(cfg: _Config):
+    return [("compress_online", {"head_dim": hd, "state": cfg.state}) for hd in cfg.head_dims.get(128, ())]
+
+
+#: op family -> the kernels its calls reach: "plan" (CompressorPrefillPlan/CompressorDecodePlan),
+#: "compress" (compress_forward), "store" (compress_norm_rope_store), "fused" (compress_and_store),
+#: "online" (compress_forward(is_online=True), the c128 layers).
+_REACH = {"plan": _plan, "compress": _compress, "store": _store, "fused": _fused, "online": _online}
+
+
+def _dtype(value: torch.dtype, arg: str) -> str:
+    try:
+        return _DTYPE_NAMES[value]
+    except KeyError:
+        raise TypeError(f"dsv4jit.warmup: argument '{arg}' must be torch.float32, bfloat16 or float16, "
+                        f"got {value!r}") from None
+
+
+def _target(device, arch: Optional[str]) -> Arch:
+    if arch is not None:
+        return Arch.parse(arch)
+    if device is None:  # DSV4JIT_CUDA_ARCH, else the current device (an error without either)
+        return loader.arch_for(None)
+    return loader.arch_for(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+
+
+def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = None,
+             state_dtype: torch.dtype = torch.float32, input_dtype: torch.dtype = torch.float32,
+             output_dtype: Optional[torch.dtype] = None, use_fp4: bool = False, bf16_store: bool = False,
+             ops: Iterable[str] = ("plan", "compress", "store")) -> list[Variant]:
+    """The variants `warmup` builds for `arch` (same arguments); the host target reaches the CPU planner only."""
+    unknown = sorted(set(ops) - set(_REACH))
+    if unknown:
+        raise ValueError(f"dsv4jit.warmup: argument 'ops' has unknown entries {unknown}; known: {sorted(_REACH)}")
+    if arch.is_host:  # CPU tensors: compress and store run the torch references; only planning is compiled
+        return [runtime.variant("plan_host", arch)] if "plan" in ops else []
+    dims = {int(r): tuple(int(hd) for hd in hds) for r, hds in (head_dims or MODEL_HEAD_DIMS).items()}
+    cfg = _Config(dims, _dtype(state_dtype, "state_dtype"), _dtype(input_dtype, "input_dtype"),
+                  _dtype(output_dtype or input_dtype, "output_dtype"), use_fp4, bf16_store)
+    return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in _REACH[op](cfg))
+
+
+def warmup(device: Union[torch.device, str, int, None] = None, *,
+           head_dims: Optional[Mapping[int, Iterable[int]]] = None, state_dtype: torch.dtype = torch.float32,
+           input_dtype: torch.dtype = torch.float32, output_dtype: Optional[torch.dtype] = None,
+           use_fp4: bool = False, bf16_store: bool = False, ops: Iterable[str] = ("plan", "compress", "store"),
+           arch: Optional[str] = None, jobs: Optional[int] = None) -> list[str]:
+    """Compile (in parallel) and load every kernel variant a model configuration reaches.
+
+    Call it once per process before CUDA-graph capture and before torch.compile tracing, so that no
+    op compiles or loads a module while being captured or traced. Kernel launches are not part of
+    it: keep the usual eager warm-up pass before capture. Returns the ids of the variants loaded.
+
+    device: the GPU the ops will run on (default: the current CUDA device); it picks the target
+        arch. Loaded modules serve every device of that arch, so one call covers a node of identical
+        GPUs; call once per device kind on a mixed node. ``"cpu"`` builds the host planner only
+        (on CPU tensors compress and store run the torch references).
+    head_dims: compress ratio -> head dims of its compressors; default DeepSeek-V4
+        ``{4: (512, 128), 128: (512,)}`` (latent 512 on both, indexer 128 on c4 layers).
+    state_dtype, input_dtype, output_dtype: dtypes of kv_score_buffer, kv_score_input and the
+        compressed rows (default: the input dtype, as compress_forward allocates them).
+    use_fp4, bf16_store: the store formats, as passed to compress_norm_rope_store (use_fp4 for the
+        indexer, bf16_store for the latent).
+    ops: op families to cover: "plan", "compress", "store", "fused" (compress_and_store), "online"
+        (compress_forward(is_online=True) for the c128 head dims).
+    arch: build for this target instead (e.g. ``"9.0a"``): works on a machine without a GPU when
+        nvcc is installed (the modules load there too, they just cannot run).
+    jobs: parallel compiles (default: memory-aware, as ``python -m dsv4jit precompile``).
+
+    PDL follows the arch (sm_90+) and ``DSV4JIT_DISABLE_PDL``, as in the ops. With
+    ``DSV4JIT_NO_COMPILE=1`` nothing compiles and a missing variant raises ``DSV4JITCacheMiss``.
+    """
+    target = _target(device, arch)
+    todo = variants(target, head_dims=head_dims, state_dtype=state_dtype, input_dtype=input_dtype,
+                    output_dtype=output_dtype, use_fp4=use_fp4, bf16_store=bf16_store, ops=ops)
+    _build_missing(todo, target, jobs)
+    for v in todo:  # cache hits now: a dlopen each
+        loader.load(v, target)
+    return [v.id for v in todo]
+
+
+def _build_missing(todo: list[Variant], arch: Arch, jobs: Optional[int]) -> None:
+    """Compile the cache misses in parallel (loader.load compiles one at a time). Misses that cannot
+    be built here (no toolchain, DSV4JIT_NO_COMPILE) are left to loader.load, which explains them."""
+    if env.no_compile():
+        return
+    missing = [r for r in (loader.resolve(v, arch) for v in todo) if r.entry is None and r.toolchain_error is None]
+    if not missing:
+        return
+    from .cli import _default_jobs
+
+    tc = toolchain(need_cuda=not arch.is_host)
+    with ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(missing))) as pool:
+        for _ in pool.map(lambda r: build.build(r.variant, arch, tc, r.info, r.command, "warmup",
+                                                loader._load_module), missing):
+            pass

@@ -1,0 +1,293 @@
+"""compress_and_store: byte-identical to compress_forward followed by compress_norm_rope_store.
+
+Two copies of one paged pool run the same steps (same plans, same random inputs): copy A through the
+two public ops, copy B through the fused op. After every step the state pools and the compressed
+caches of both copies must be equal bit for bit. Both caches start from the same random bytes, so a
+row the fused op fails to store (or stores where it must not) shows up as a difference, and every
+step asserts that the two-step path did store rows (the comparison is never vacuous).
+
+Scenarios reuse test_compress.Scenario (pools, plans, token rows) over the c4 paged / request-ring /
+legacy and c128 ring / legacy addressing modes, every store format, fp32 and bf16 state and input,
+prefill chunks with unaligned prefixes, decode batches across boundaries, and CUDA-graph replay.
+On "cpu" the op runs the reference of the two steps (API wiring); on "cuda" the fused kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4jit import compress_and_store, compress_forward, compress_norm_rope_store
+from dsv4jit.reference import store as ref_store
+from test_compress import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, DEVICES, HAS_CUDA, Scenario
+
+CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+PAGE_SIZE = {4: 64, 128: 2}
+FORMAT_HEAD_DIM = {"v4_fp8": 512, "v4_bf16": 512, "indexer_fp8": 128, "indexer_fp4": 128}
+MAX_CTX = 1024
+
+
+class Twin:
+    """One scenario (plans, inputs) driving a two-step copy and a fused copy of state and cache."""
+
+    def __init__(self, device, config, fmt, *, state_dtype=torch.float32, in_dtype=torch.float32, num_reqs=4,
+                 seed=0):
+        ratio, mode, ring = config
+        hd = FORMAT_HEAD_DIM[fmt]  # the store format fixes head_dim
+        self.sc = Scenario(device, ratio, mode, ring, num_reqs=num_reqs, max_ctx=MAX_CTX, hd=hd,
+                           state_dtype=state_dtype, in_dtype=in_dtype, seed=seed)
+        sc = self.sc
+        self.fmt, self.page_size = fmt, PAGE_SIZE[ratio]
+        self.use_fp4, self.bf16_store = fmt == "indexer_fp4", fmt == "v4_bf16"
+        gen = sc.gen
+        # finite states (the pool's NaN rows would make every pooled value NaN alike)
+        sc.state.copy_(torch.randn(sc.state.shape, generator=gen).to(state_dtype))
+        self.state_b = sc.state.clone()
+        num_locs = 2 * MAX_CTX  # out_loc covers every token of a prefill step
+        pages = -(-num_locs // self.page_size)
+        self.cache_a = torch.randint(0, 256, (pages, ref_store.page_bytes(fmt, self.page_size)), generator=gen,
+                                     dtype=torch.uint8).to(sc.device)
+        self.cache_b = self.cache_a.clone()
+        self.locs = torch.randperm(pages * self.page_size, generator=gen)[:num_locs]
+        self.next_loc = 0
+        self.norm_weight = (1 + 0.3 * torch.randn(hd, generator=gen)).to(sc.device)
+        angles = torch.rand(MAX_CTX, 32, generator=gen, dtype=torch.float64) * 6.283
+        self.freq_cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(sc.device)
+        self.stored_steps = 0
+
+    def out_loc(self, n: int, dtype=torch.int64) -> torch.Tensor:
+        locs = self.locs[self.next_loc:self.next_loc + n]
+        self.next_loc = (self.next_loc + n) % (self.locs.numel() - n)
+        return locs.to(dtype).to(self.sc.device)
+
+    def store_args(self, out_loc):
+        return dict(norm_weight=self.norm_weight, norm_eps=1e-6, freq_cis=self.freq_cis, out_loc=out_loc,
+                    page_size=self.page_size, use_fp4=self.use_fp4, bf16_store=self.bf16_store)
+
+    def run_both(self, x, plan, out_loc):
+        sc = self.sc
+        before = self.cache_a.clone()
+        kv = compress_forward(sc.state, x, sc.ape, plan, head_dim=sc.hd, compress_ratio=sc.R)
+        compress_norm_rope_store(kv, plan, kvcache=self.cache_a, **self.store_args(out_loc))
+        self.fused(x, plan, out_loc)
+        self.compare(before)
+
+    def fused(self, x, plan, out_loc):
+        sc = self.sc
+        compress_and_store(self.state_b, x, sc.ape, plan, head_dim=sc.hd, compress_ratio=sc.R,
+                           kvcache=self.cache_b, **self.store_args(out_loc))
+
+    def compare(self, before):
+        sc = self.sc
+        assert torch.equal(sc.state.view(torch.uint8), self.state_b.view(torch.uint8)), "states differ"
+        if not torch.equal(self.cache_a, self.cache_b):
+            rows = (self.cache_a != self.cache_b).any(dim=1).nonzero().flatten().tolist()
+            raise AssertionError(f"caches differ on pages {rows[:8]} ({len(rows)} pages)")
+        if not torch.equal(before, self.cache_a):
+            self.stored_steps += 1
+
+    def prefill(self, rids, exts, *, num_q=None, gpu_lengths=False, use_cuda_graph=False, loc_dtype=torch.int64):
+        sc = self.sc
+        n = sum(exts)
+        num_q = n if num_q is None else num_q
+        x = sc.random_rows(num_q)
+        plan = sc.prefill_plan(rids, exts, num_q=num_q, gpu_lengths=gpu_lengths, use_cuda_graph=use_cuda_graph)
+        self.run_both(x, plan, self.out_loc(num_q, loc_dtype))
+        for r, e in zip(rids, exts):
+            sc.lens[r] += e
+
+    def decode(self, rids, loc_dtype=torch.int64):
+        sc = self.sc
+        x = sc.random_rows(len(rids))
+        plan = sc.decode_plan(rids)
+        self.run_both(x, plan, self.out_loc(len(rids), loc_dtype))
+        for r in rids:
+            sc.lens[r] += 1
+
+
+CONFIG_FORMATS = [
+    (C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "v4_bf16"), (C4_PAGED_8, "indexer_fp4"), (C4_PAGED_8, "indexer_fp8"),
+    (C4_REQ_8, "v4_fp8"), (C4_REQ_8, "indexer_fp4"), (C4_LEGACY, "v4_fp8"),
+    (C128_128, "v4_fp8"), (C128_128, "v4_bf16"), (C128_LEGACY, "v4_fp8"),
+]
+
+
+def _id(cf) -> str:
+    (ratio, mode, ring), fmt = cf
+    return f"c{ratio}-{mode}-{fmt}"
+
+
+def _prefill_then_decode(tw: Twin, decode_steps: int):
+    sc = tw.sc
+    r = sc.R
+    # chunked prefills: a first chunk, then extends whose prefixes are not ratio-aligned
+    tw.prefill([0, 1, 2, 3], [3 * r + 1, 2 * r - 1, r, 5])
+    tw.prefill([1, 3, 0], [r + 3, 2 * r + 2, 1])
+    tw.prefill([2], [r // 2 + 7])
+    for _ in range(decode_steps):
+        tw.decode([0, 1, 2, 3])
+
+
+# The CPU runs (the reference of the two steps: API wiring) take two cases; the GPU runs all.
+CASES = [pytest.param("cpu", cf, id=f"cpu-{_id(cf)}") for cf in (CONFIG_FORMATS[2], CONFIG_FORMATS[7])]
+CASES += [pytest.param("cuda", cf, id=f"cuda-{_id(cf)}", marks=CUDA_MARKS) for cf in CONFIG_FORMATS]
+
+
+@pytest.mark.parametrize("device, config_format", CASES)
+def test_fused_equals_two_step(device, config_format):
+    config, fmt = config_format
+    tw = Twin(device, config, fmt)
+    _prefill_then_decode(tw, decode_steps=11 if config[0] == 4 else 130)
+    assert tw.stored_steps >= 3, "the scenario stored too few rows to prove anything"
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["bf16-state", "bf16-input", "bf16-both"])
+@pytest.mark.parametrize("config_format", [(C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "indexer_fp4"),
+                                           (C128_128, "v4_fp8")], ids=_id)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_equals_two_step_bf16(device, config_format, dtypes):
+    config, fmt = config_format
+    state_dtype, in_dtype = dtypes
+    tw = Twin(device, config, fmt, state_dtype=state_dtype, in_dtype=in_dtype)
+    _prefill_then_decode(tw, decode_steps=9 if config[0] == 4 else 130)
+    assert tw.stored_steps >= 3
+
+
+@pytest.mark.parametrize("config_format", [(C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "indexer_fp8"),
+                                           (C128_128, "v4_fp8")], ids=_id)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_long_random_scenario(device, config_format):
+    """Many requests, random chunked prefills and decode batches, int32 and int64 out_loc."""
+    import random
+
+    config, fmt = config_format
+    tw = Twin(device, config, fmt, num_reqs=12, seed=7)
+    sc, rng = tw.sc, random.Random(7)
+    for step in range(40):
+        room = [r for r in range(sc.num_reqs) if sc.lens[r] < MAX_CTX - 300]
+        loc_dtype = torch.int32 if step % 2 else torch.int64
+        if step % 3 == 0 or not all(sc.lens):
+            rids = rng.sample(room, k=min(len(room), rng.randint(1, 5)))
+            tw.prefill(rids, [rng.randint(1, 3 * sc.R + 5) for _ in rids], loc_dtype=loc_dtype,
+                       gpu_lengths=step % 2 == 1 and sc.mode != "legacy")
+        else:
+            tw.decode(rng.sample(room, k=min(len(room), rng.randint(1, 10))), loc_dtype=loc_dtype)
+    assert tw.stored_steps >= 10
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_padded_cuda_graph_plans(device):
+    """use_cuda_graph prefill plans (invalid padding rows) and GPU-resident lengths (bucket-sized plans)."""
+    tw = Twin(device, C4_PAGED_8, "v4_fp8")
+    tw.prefill([0, 1], [13, 22], use_cuda_graph=True)
+    tw.prefill([2, 3, 0], [9, 4, 7], num_q=40, gpu_lengths=True)
+    assert tw.stored_steps == 2
+
+
+@pytest.mark.parametrize("config_format", [(C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "indexer_fp4"),
+                                           (C128_128, "v4_fp8")], ids=_id)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_decode_in_cuda_graph(device, config_format):
+    """A captured decode step (plan + fused op) replays with fresh lengths and inputs."""
+    config, fmt = config_format
+    tw = Twin(device, config, fmt)
+    sc = tw.sc
+    tw.prefill([0, 1, 2, 3], [sc.R * 2 + 1, sc.R * 3 - 2, 7, sc.R])
+    rids = [0, 1, 2, 3]
+    seq = torch.zeros(4, dtype=torch.int64, device=sc.device)
+    x = torch.zeros(4, sc.last_dim, dtype=sc.in_dtype, device=sc.device)
+    loc = torch.zeros(4, dtype=torch.int64, device=sc.device)
+    rpi = torch.tensor(rids, dtype=torch.int64, device=sc.device)
+
+    def step():
+        plan = sc.decode_plan(rids, seq_lens=seq, rpi=rpi)
+        tw.fused(x, plan, loc)
+
+    seq.copy_(torch.tensor([sc.lens[r] + 1 for r in rids]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    snapshot = (tw.state_b.clone(), tw.cache_b.clone())
+    with torch.cuda.stream(side):
+        step()  # warm-up (loads the kernels) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    tw.state_b.copy_(snapshot[0])
+    tw.cache_b.copy_(snapshot[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2 * sc.R + 2 if sc.R == 4 else 130):
+        x.copy_(sc.random_rows(4))
+        loc.copy_(tw.out_loc(4))
+        seq.copy_(torch.tensor([sc.lens[r] + 1 for r in rids]))
+        before = tw.cache_a.clone()
+        plan = sc.decode_plan(rids)
+        kv = compress_forward(sc.state, x, sc.ape, plan, head_dim=sc.hd, compress_ratio=sc.R)
+        compress_norm_rope_store(kv, plan, kvcache=tw.cache_a, **tw.store_args(loc))
+        graph.replay()
+        tw.compare(before)
+        for r in rids:
+            sc.lens[r] += 1
+    assert tw.stored_steps >= 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_empty_batches(device):
+    tw = Twin(device, C4_PAGED_8, "indexer_fp8")
+    tw.decode([])
+    assert tw.stored_steps == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_argument_errors_name_the_argument(device):
+    tw = Twin(device, C4_PAGED_8, "v4_fp8")
+    sc = tw.sc
+    plan = sc.decode_plan([0, 1])
+    x = sc.random_rows(2)
+    args = dict(head_dim=sc.hd, compress_ratio=4, kvcache=tw.cache_b, **tw.store_args(tw.out_loc(2)))
+    with pytest.raises(ValueError, match="compress_ratio"):
+        compress_and_store(tw.state_b, x, sc.ape, plan, **dict(args, compress_ratio=128))
+    with pytest.raises(ValueError, match="use_fp4"):
+        compress_and_store(tw.state_b, x, sc.ape, plan, **dict(args, use_fp4=True))
+    with pytest.raises(ValueError, match="out_loc"):
+        compress_and_store(tw.state_b, x, sc.ape, plan, **dict(args, out_loc=tw.out_loc(3)))
+    with pytest.raises(ValueError, match="kvcache"):
+        compress_and_store(tw.state_b, x, sc.ape, plan, **dict(args, kvcache=tw.cache_b[:, :-16]))
+    if sc.device.type == "cuda":
+        with pytest.raises((ValueError, TypeError), match="kv_score_input"):
+            compress_and_store(tw.state_b, x[:, :-4], sc.ape, plan, **args)
+
+
+SANITIZER_CASES = [(C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "indexer_fp4"), (C128_128, "v4_fp8"),
+                   (C128_128, "v4_bf16")]
+
+
+@pytest.mark.parametrize("config_format", SANITIZER_CASES, ids=_id)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_decode_across_a_boundary(device, config_format):
+    """Short (compute-sanitizer sized): prefill to one token before a boundary, decode twice."""
+    config, fmt = config_format
+    tw = Twin(device, config, fmt)
+    r = config[0]
+    tw.prefill([0, 1, 2], [r - 1, 2 * r - 1, r + 1])
+    tw.decode([0, 1, 2])
+    tw.decode([0, 1, 2])
+    assert tw.stored_steps == 2  # the prefill of request 2 and the boundary decode
+
+
+def test_c128_stores_v4_rows_only():
+    """c128 rows are V4 latent rows: the indexer formats (head_dim 128) are rejected up front, and the
+    kernel catalogue holds no variant that could not build."""
+    from dsv4jit import CompressorDecodePlan
+    from dsv4jit.jit.kernels import SPECS
+
+    plan = CompressorDecodePlan(128, torch.zeros(0, 16, dtype=torch.uint8))
+    empty = torch.zeros(0)
+    with pytest.raises(ValueError, match="head_dim"):
+        compress_and_store(empty, empty, empty, plan, head_dim=128, compress_ratio=128, norm_weight=empty,
+                           norm_eps=1e-6, freq_cis=empty, out_loc=empty, kvcache=empty, page_size=2)
+    fused = SPECS["fused"]
+    assert not [v for v in fused.all_variants() if v.params["ratio"] == 128 and v.params["format"] != "v4_fp8"
+                and v.params["format"] != "v4_bf16"]
+    with pytest.raises(ValueError, match="ratio 128"):
+        fused.variant(ratio=128, format="indexer_fp4", state="fp32", input="fp32", pdl=True)

@@ -1,0 +1,112 @@
+"""dsv4jit.warmup: the variants a configuration reaches, built in parallel and loaded, so that the ops
+afterwards never compile or load a module (checked on a GPU by forbidding loads after the warm-up).
+
+CPU tests that build use their own kernel cache (the ``jit_env`` fixture of conftest.py); the GPU
+test uses the default cache and needs no conftest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4jit
+from dsv4jit import runtime
+from dsv4jit.jit import loader
+from dsv4jit.jit.toolchain import Arch
+from dsv4jit.preload import variants
+
+HAS_CUDA = torch.cuda.is_available()
+SM90 = Arch.parse("9.0a")
+
+
+def ids(vs) -> list[str]:
+    return [v.id for v in vs]
+
+
+def test_model_defaults_reach_planner_compress_and_store():
+    assert ids(variants(SM90)) == [
+        "plan[pdl=1]",
+        "compress_c4[head_dim=512,state=fp32,input=fp32,output=fp32,pdl=1]",
+        "compress_c4[head_dim=128,state=fp32,input=fp32,output=fp32,pdl=1]",
+        "compress_c128[head_dim=512,state=fp32,input=fp32,output=fp32,pdl=1]",
+        "store[dtype=fp32,format=v4_fp8,pdl=1]",
+        "store[dtype=fp32,format=indexer_fp8,pdl=1]",
+    ]
+
+
+def test_dtypes_formats_and_op_families():
+    got = ids(variants(SM90, state_dtype=torch.bfloat16, input_dtype=torch.bfloat16, output_dtype=torch.float32,
+                       use_fp4=True, bf16_store=True, ops=("compress", "store", "fused", "online")))
+    assert got == [
+        "compress_c4[head_dim=512,state=bf16,input=bf16,output=fp32,pdl=1]",
+        "compress_c4[head_dim=128,state=bf16,input=bf16,output=fp32,pdl=1]",
+        "compress_c128[head_dim=512,state=bf16,input=bf16,output=fp32,pdl=1]",
+        "store[dtype=fp32,format=v4_bf16,pdl=1]",
+        "store[dtype=fp32,format=indexer_fp4,pdl=1]",
+        "fused[ratio=4,format=v4_bf16,state=bf16,input=bf16,pdl=1]",
+        "fused[ratio=4,format=indexer_fp4,state=bf16,input=bf16,pdl=1]",
+        "fused[ratio=128,format=v4_bf16,state=bf16,input=bf16,pdl=1]",
+        "compress_online[head_dim=512,state=bf16,pdl=1]",
+    ]
+
+
+def test_pdl_follows_the_arch_and_the_kill_switch(monkeypatch):
+    assert ids(variants(Arch.parse("8.0"), ops=("plan",))) == ["plan[pdl=0]"]
+    monkeypatch.setenv("DSV4JIT_DISABLE_PDL", "1")
+    assert ids(variants(SM90, ops=("plan",))) == ["plan[pdl=0]"]
+
+
+def test_host_target_reaches_the_cpu_planner_only():
+    assert ids(variants(Arch.host())) == ["plan_host"]
+    assert variants(Arch.host(), ops=("compress",)) == []
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="'ops'.*bogus"):
+        variants(SM90, ops=("compress", "bogus"))
+    with pytest.raises(TypeError, match="'state_dtype'"):
+        variants(SM90, state_dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim"):
+        variants(SM90, head_dims={4: (256,)})  # compress has hd 256, the store does not
+
+
+def test_import_stays_lazy():
+    assert callable(dsv4jit.warmup)
+    assert "warmup" in dir(dsv4jit)
+
+
+@pytest.mark.usefixtures("jit_env")
+def test_cpu_warmup_builds_and_loads_the_host_planner(monkeypatch):
+    assert dsv4jit.warmup("cpu") == ["plan_host"]
+    monkeypatch.setattr(loader, "_load_uncached", lambda *a: pytest.fail("loaded after warmup"))
+    runtime.function("plan_host", "prefill", torch.device("cpu"))
+
+
+@pytest.mark.compile
+@pytest.mark.usefixtures("jit_env")
+def test_gpu_less_warmup_builds_for_an_arch(monkeypatch):
+    """No GPU needed with an explicit arch: the variant lands in the cache and loads from it."""
+    built = dsv4jit.warmup(arch="9.0a", head_dims={128: (64,)}, ops=("compress",), jobs=1)
+    assert built == ["compress_c128[head_dim=64,state=fp32,input=fp32,output=fp32,pdl=1]"]
+    loader.clear_memo()
+    monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
+    (variant,) = variants(SM90, head_dims={128: (64,)}, ops=("compress",))
+    assert loader.resolve(variant, SM90).entry is not None
+    assert hasattr(loader.load(variant, SM90), "decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_after_warmup_the_ops_load_nothing(monkeypatch):
+    from compressor_step import make_step, run
+
+    runtime._FUNCTIONS.clear()
+    loader.clear_memo()
+    dsv4jit.warmup()
+    monkeypatch.setattr(loader, "_load_uncached", lambda v, a: pytest.fail(f"{v.id} loaded after warmup"))
+    for ratio, hd in ((4, 512), (4, 128), (128, 512)):
+        for decode in (False, True):
+            run(make_step("cuda", ratio=ratio, head_dim=hd, decode=decode, lengths_on_device=False))
+        run(make_step("cuda", ratio=ratio, head_dim=hd, lengths_on_device=True))
+    torch.cuda.synchronize()
