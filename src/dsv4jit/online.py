@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import library, runtime
-from .ops import _cuda_device, _describe
+from .ops import _ape_as, _cuda_device, _describe
 from .plan import CompressorDecodePlan, CompressorPrefillPlan
 from .reference import online as ref_online
 
@@ -48,10 +48,7 @@ def compress_forward_online(kv_score_buffer: torch.Tensor, kv_score_input: torch
     if kv_score_input.dtype != torch.float32:
         raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_input': dtype must be float32 with is_online=True, "
                         f"got {kv_score_input.dtype}")
-    if not ape.dtype.is_floating_point:
-        raise TypeError(f"dsv4jit.{_OP}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
-    if ape.dtype != torch.float32:
-        ape = ape.to(torch.float32)
+    ape = _ape_as(_OP, ape, torch.float32)
     if out is None:
         out = torch.empty((plan[1].shape[0], head_dim), dtype=torch.float32, device=kv_score_input.device)
     _compress_online(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,

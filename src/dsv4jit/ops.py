@@ -49,6 +49,21 @@ def _describe(texts: dict[int, str]):
     return lambda code: "; ".join(text for bit, text in texts.items() if code & bit)
 
 
+def _check_ratio(op: str, plan, compress_ratio: int) -> None:
+    if compress_ratio not in (4, 128):
+        raise ValueError(f"dsv4jit.{op}: argument 'compress_ratio' must be 4 or 128, got {compress_ratio}")
+    if plan.compress_ratio != compress_ratio:
+        raise ValueError(f"dsv4jit.{op}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
+                         f"got compress_ratio {compress_ratio}")
+
+
+def _ape_as(op: str, ape: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ape in the kernels' dtype (the consumer converts it the same way)."""
+    if not ape.dtype.is_floating_point:
+        raise TypeError(f"dsv4jit.{op}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
+    return ape if ape.dtype == dtype else ape.to(dtype)
+
+
 def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                      plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *, head_dim: int,
                      compress_ratio: int, out: Optional[torch.Tensor] = None,
@@ -67,15 +82,8 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
 
         return compress_forward_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim,
                                        compress_ratio=compress_ratio, out=out)
-    if compress_ratio not in (4, 128):
-        raise ValueError(f"dsv4jit.{_OP}: argument 'compress_ratio' must be 4 or 128, got {compress_ratio}")
-    if plan.compress_ratio != compress_ratio:
-        raise ValueError(f"dsv4jit.{_OP}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
-                         f"got compress_ratio {compress_ratio}")
-    if not ape.dtype.is_floating_point:
-        raise TypeError(f"dsv4jit.{_OP}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
-    if ape.dtype != kv_score_input.dtype:
-        ape = ape.to(kv_score_input.dtype)
+    _check_ratio(_OP, plan, compress_ratio)
+    ape = _ape_as(_OP, ape, kv_score_input.dtype)
     if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
         out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
     _compress(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
@@ -218,19 +226,12 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     op = "compress_and_store"
     if is_online:
         raise NotImplementedError(f"dsv4jit.{op}: the online c128 compressor is not available in this version")
-    if compress_ratio not in (4, 128):
-        raise ValueError(f"dsv4jit.{op}: argument 'compress_ratio' must be 4 or 128, got {compress_ratio}")
-    if plan.compress_ratio != compress_ratio:
-        raise ValueError(f"dsv4jit.{op}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
-                         f"got compress_ratio {compress_ratio}")
+    _check_ratio(op, plan, compress_ratio)
     fmt = _store_format(head_dim, use_fp4, bf16_store)
     if compress_ratio == 128 and head_dim != 512:
         raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with compress_ratio 128 (the V4 cache "
                          f"formats), got {head_dim}")
-    if not ape.dtype.is_floating_point:
-        raise TypeError(f"dsv4jit.{op}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
-    if ape.dtype != kv_score_input.dtype:
-        ape = ape.to(kv_score_input.dtype)
+    ape = _ape_as(op, ape, kv_score_input.dtype)
     if norm_weight.dtype != kv_score_input.dtype:
         norm_weight = norm_weight.to(kv_score_input.dtype)
     num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens

@@ -4,12 +4,12 @@
 // compress_norm_rope_store: the caches and states are byte-identical to the two-step path.
 //
 // A pooled row is spread over the units of its channel slices (compress.cuh), and each unit
-// stores its own slice; the units of a row share only the row's sum of squares, as per-tile sums
-// in store.cuh's canonical order:
+// stores its own slice; the units of a row share only the chunk partials of the row's sum of
+// squares (store.cuh's canonical order, 32 x chunks values):
 //   c4        a warp holds one 128-channel chunk of the store layout (lane l: channels 128k + 4l..);
-//             the row's warps (4 for hd512, 1 for hd128) share tile sums through shared memory
+//             the row's warps (4 for hd512, 1 for hd128) share partials through shared memory
 //   c128      a block holds one 64-dim tile (lane l: 2 channels); the row's 8 blocks form a
-//             thread-block cluster and share tile sums through distributed shared memory
+//             thread-block cluster and share partials through distributed shared memory
 // The norm weight and rope values are prefetched with cp.async as soon as the plan row is read,
 // overlapping the window loads.
 //
@@ -46,8 +46,7 @@ struct Kernels {
   static constexpr int C = W::kLaneChannels;
   static constexpr bool kCluster = W::kWarpsPerUnit > 1;  // c128: a row's slices are separate blocks
   static constexpr int kRowsPerBlock = kCluster ? 1 : K::kUnitsPerBlock / W::kSlices;
-  static constexpr int kTiles = kHeadDim / 64;
-  static constexpr int kSliceTiles = W::kUnitChannels / 64;
+  static constexpr int kChunks = L::kChunks;
   static_assert(kCluster ? W::kUnitChannels == 64 && W::kSlices <= 8
                          : W::kUnitChannels == 128 && K::kUnitsPerBlock % W::kSlices == 0,
                 "a c4 unit holds a store chunk; a c128 unit a tile, and a row fits a portable cluster");
@@ -55,7 +54,7 @@ struct Kernels {
   static_assert(!kCluster || !L::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
 
   struct Shared {
-    float tile_sums[kRowsPerBlock][kTiles];
+    float partials[kRowsPerBlock][kChunks][kWarpSize];  // [chunk][lane of the store layout]
     alignas(16) InT weight[kRowsPerBlock][kHeadDim];
     alignas(16) float freq[kRowsPerBlock][store::kRopeDim];
   };
@@ -93,34 +92,33 @@ struct Kernels {
       float x[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) x[c] = to_f32(from_f32<InT>(v[c]));  // as the two-step path reads it back
-      float total = 0.0f;
       if constexpr (kCluster) {
-        // a 4-channel group spans lanes 2j and 2j+1: lane 2j+1 continues lane 2j's fma chain
+        // Chunk k's partial for store lane 16·(slice % 2) + j spans lanes 2j and 2j+1 here: lane
+        // 2j+1 continues lane 2j's fma chain, then publishes it to every block of the cluster.
         const float pair = __fmaf_rn(x[1], x[1], __fmaf_rn(x[0], x[0], 0.0f));
         const float carried = __shfl_up_sync(kFullMask, pair, 1);
-        const float tile = S::template tile_sum<2>(__fmaf_rn(x[1], x[1], __fmaf_rn(x[0], x[0], carried)));
+        const float partial = __fmaf_rn(x[1], x[1], __fmaf_rn(x[0], x[0], carried));
         cluster_wait();  // phase 0: every block of the cluster has started
-        if (holds && stores && l == 1) {
+        if (holds && stores && (l & 1)) {
+          float* dst = &sh.partials[0][slice / 2][16 * (slice % 2) + l / 2];
 #pragma unroll
-          for (int q = 0; q < W::kSlices; ++q) *cg::this_cluster().map_shared_rank(&sh.tile_sums[0][slice], q) = tile;
+          for (int q = 0; q < W::kSlices; ++q) *cg::this_cluster().map_shared_rank(dst, q) = partial;
         }
         cluster_arrive_release();
         if (!holds || !stores) return;  // uniform over the cluster: nobody writes into a block that left
-        cluster_wait();  // phase 1: every tile sum has landed
-      } else {
-        const float tile = S::chunk_tile_sum(x);
-        if constexpr (W::kSlices == 1) {
-          total = S::add_chunk(total, tile, l);
-        } else {
-          if (l % 16 == 0) sh.tile_sums[r][kSliceTiles * slice + l / 16] = tile;
-          __syncthreads();
-        }
+        cluster_wait();  // phase 1: every partial has landed
+      } else if constexpr (W::kSlices > 1) {
+        if (holds) sh.partials[r][slice][l] = S::chunk_partial(x);
+        __syncthreads();
         if (!stores) return;
+      } else {
+        if (!stores) return;
+        sh.partials[r][0][l] = S::chunk_partial(x);  // read back by this lane only
       }
-      if constexpr (kCluster || W::kSlices > 1) {
+      float lane_sum = 0.0f;
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) total = __fadd_rn(total, sh.tile_sums[r][t]);
-      }
+      for (int k = 0; k < kChunks; ++k) lane_sum = __fadd_rn(lane_sum, sh.partials[r][k][l]);
+      const float total = S::row_sum(lane_sum);
       if (!S::check(p.s, loc, position)) return;
       cp_async_wait_all();  // each lane reads only what its own cp.async brought
       float w[C], f[C];
@@ -133,7 +131,8 @@ struct Kernels {
       if constexpr (kCluster) {
         S::store_tile(p.s, slice, x, w, scale, f, loc, l);
       } else {
-        S::store_chunk(p.s, slice, x, w, scale, f, loc, l);
+        S::normalize_chunk(slice, x, w, scale, f, l);
+        S::store_chunk(p.s, slice, x, loc, l);
       }
     }
   };

@@ -155,16 +155,23 @@ struct Kernel {
   }
 
   // The sum of squares of a row has one canonical order, shared by every path that stores rows
-  // (so they agree bit for bit): within each 64-dim tile, every group of 4 consecutive channels
-  // chains its squares (fma, channel order), the tile's 16 groups add by a butterfly (distances
-  // 8, 4, 2, 1 groups), and the tile sums add in tile order.
+  // (so they agree bit for bit). In the store layout (lane l holds channels 128k + 4l .. +3 of
+  // chunk k): each chunk's 4 channels chain their squares (fma, channel order), a lane adds its
+  // chunks' partials in chunk order, and the 32 lanes add by a butterfly (distances 16 .. 1).
 
-  /// Butterfly over the 16 group partials of a tile held by lanes {g * kStride}.
-  template <int kStride>
-  static DSV4_DEV float tile_sum(float group) {
+  /// A lane's partial of chunk k: its 4 channels' squares, chained.
+  static DSV4_DEV float chunk_partial(const float (&xk)[4]) {
+    float q = 0.0f;
 #pragma unroll
-    for (int m = 8; m > 0; m /= 2) group = __fadd_rn(group, __shfl_xor_sync(kFullMask, group, m * kStride));
-    return group;
+    for (int c = 0; c < 4; ++c) q = __fmaf_rn(xk[c], xk[c], q);
+    return q;
+  }
+
+  /// The row's sum of squares from every lane's sum of its chunk partials.
+  static DSV4_DEV float row_sum(float lane_sum) {
+#pragma unroll
+    for (int m = kWarpSize / 2; m > 0; m /= 2) lane_sum = __fadd_rn(lane_sum, __shfl_xor_sync(kFullMask, lane_sum, m));
+    return lane_sum;
   }
 
   static DSV4_DEV float rms_scale(const Params& p, float sum_squares) {
@@ -178,21 +185,6 @@ struct Kernel {
     im = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
   }
 
-  /// Chunk k's part of the canonical sum of squares on this lane: its tile's sum (lanes < 16 hold
-  /// tile 2k, lanes >= 16 tile 2k + 1).
-  static DSV4_DEV float chunk_tile_sum(const float (&xk)[4]) {
-    float group = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) group = __fmaf_rn(xk[c], xk[c], group);
-    return tile_sum<1>(group);
-  }
-
-  /// `total` plus chunk k's two tile sums, in tile order.
-  static DSV4_DEV float add_chunk(float total, float tile, int lane) {
-    const float other = __shfl_xor_sync(kFullMask, tile, 16);
-    return __fadd_rn(__fadd_rn(total, lane < 16 ? tile : other), lane < 16 ? other : tile);
-  }
-
   static DSV4_DEV void store_row(const Params& p, const Vec<DType, 4> (&xv)[C], const float (&w)[C][4],
                                  const Vec<float, 4>& freq, int64_t loc, int lane) {
     float x[C][4];
@@ -201,27 +193,33 @@ struct Kernel {
 #pragma unroll
       for (int c = 0; c < 4; ++c) x[k][c] = to_f32(xv[k][c]);
     }
-    float total = 0.0f;
+    float lane_sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < C; ++k) total = add_chunk(total, chunk_tile_sum(x[k]), lane);
-    const float r = rms_scale(p, total);
+    for (int k = 0; k < C; ++k) lane_sum = __fadd_rn(lane_sum, chunk_partial(x[k]));
+    const float r = rms_scale(p, row_sum(lane_sum));
     const float f[4] = {freq[0], freq[1], freq[2], freq[3]};
 #pragma unroll
-    for (int k = 0; k < C; ++k) store_chunk(p, k, x[k], w[k], r, f, loc, lane);
+    for (int k = 0; k < C; ++k) normalize_chunk(k, x[k], w[k], r, f, lane);
+#pragma unroll
+    for (int k = 0; k < C; ++k) store_chunk(p, k, x[k], loc, lane);
   }
 
-  /// Normalizes chunk k of a row (lane l: channels 128k + 4l .. +3) with the row's RMS scale `r`,
-  /// rotates its rope dims, and stores it (with its scales) at cache location `loc`.
-  static DSV4_DEV void store_chunk(const Params& p, int k, float (&x)[4], const float (&w)[4], float r,
-                                   const float (&freq)[4], int64_t loc, int lane) {
+  /// Normalizes chunk k of a row (lane l: channels 128k + 4l .. +3) with the row's RMS scale `r`
+  /// and rotates its rope dims.
+  static DSV4_DEV void normalize_chunk(int k, float (&x)[4], const float (&w)[4], float r, const float (&freq)[4],
+                                       int lane) {
     // RMSNorm, in the reference's order: y = (x * r) * w, without fused multiply-adds.
 #pragma unroll
     for (int c = 0; c < 4; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
-    const bool rope = k == C - 1 && lane >= 16;  // the trailing 64 dims: interleaved (re, im) pairs
-    if (rope) {
+    if (k == C - 1 && lane >= 16) {  // the trailing 64 dims: interleaved (re, im) pairs
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair) rotate(x[2 * pair], x[2 * pair + 1], freq[2 * pair], freq[2 * pair + 1]);
     }
+  }
+
+  /// Quantizes a normalized chunk k and stores it (with its scales) at cache location `loc`.
+  static DSV4_DEV void store_chunk(const Params& p, int k, float (&x)[4], int64_t loc, int lane) {
+    const bool rope = k == C - 1 && lane >= 16;
     uint8_t* page = page_of(p, loc);
     const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
     if constexpr (L::kIndexer) {
@@ -237,20 +235,23 @@ struct Kernel {
       for (int c = 0; c < 4; ++c) b[c] = __float2bfloat16_rn(x[c]);
       if constexpr (F == Format::kV4Bf16) {
         store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + 128 * k + 4 * lane, b);
-      } else if (rope) {
-        store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 4 * (lane - 16), b);
       } else {
-        // V4 latent: e4m3 of the bf16-rounded values, one UE8M0 scale per 64-dim tile (a half-warp)
-        const int tile = 2 * k + lane / 16;
+        // V4 latent: e4m3 of the bf16-rounded values, one UE8M0 scale per 64-dim tile (a half-warp;
+        // every lane joins the reduction, the rope half-warp then stores bf16 instead)
         float q[4], amax = 0.0f;
 #pragma unroll
         for (int c = 0; c < 4; ++c) q[c] = __bfloat162float(b[c]), amax = fmaxf(amax, fabsf(q[c]));
-        const int e = v4_exponent(reduce_amax(amax, 16));
+        amax = reduce_amax(amax, 16);
+        if (rope) {
+          store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 4 * (lane - 16), b);
+          return;
+        }
+        const int e = v4_exponent(amax);
         uint32_t packed = 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) packed |= uint32_t{v4_code(q[c], e)} << (8 * c);
         *reinterpret_cast<uint32_t*>(page + slot * 576 + 128 * k + 4 * lane) = packed;
-        if (lane % 16 == 0) page[page_size * 576 + slot * 8 + tile] = static_cast<uint8_t>(e);
+        if (lane % 16 == 0) page[page_size * 576 + slot * 8 + 2 * k + lane / 16] = static_cast<uint8_t>(e);
       }
     }
   }
