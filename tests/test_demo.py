@@ -100,12 +100,13 @@ def test_cache_comparison_tolerates_one_step_flips_only(clean_run):
     assert not ok and "never stored" in detail
 
 
-def test_cli_demo_json(capsys):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-step", "fused"])
+def test_cli_demo_json(fused, capsys):
     code = cli.main(["demo", "--device", "cpu", "--requests", "1", "--min-prompt", "130", "--max-prompt", "130",
                      "--chunk", "64", "--decode-steps", "3", "--layers", "2", "--indexer-fp8", "--no-progress",
-                     "--json"])
+                     "--json"] + (["--fused"] if fused else []))
     payload = json.loads(capsys.readouterr().out)
-    assert code == 0 and payload["ok"] is True
+    assert code == 0 and payload["ok"] is True and payload["config"]["fused"] is fused
     assert payload["prompt_lens"] == [130] and payload["config"]["indexer_fp8"] is True
     assert "indexer_fp8" in payload["layer_kinds"][0]
     assert {c["part"] for c in payload["checks"]} == {"state", "cache"} and all(c["ok"] for c in payload["checks"])
@@ -121,10 +122,10 @@ def test_cli_demo_usage_errors_exit_2(argv, message, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("decode_plans", ["in-graph", "copy"])
-def test_demo_kernels_match_the_reference(decode_plans):
+@pytest.mark.parametrize("decode_plans, fused", [("in-graph", False), ("copy", False), ("in-graph", True)])
+def test_demo_kernels_match_the_reference(decode_plans, fused):
     config = DemoConfig(requests=4, min_prompt=100, max_prompt=700, chunk=512, decode_steps=140, layers=2, seed=11,
-                        decode_plans=decode_plans)
+                        decode_plans=decode_plans, fused=fused)
     result = run_demo(config, "cuda")
     failed = [c for c in result.checks if not c.ok]
     assert result.ok, "; ".join(f"layer {c.layer} {c.compressor} {c.part}: {c.detail}" for c in failed)

@@ -395,7 +395,8 @@ def cmd_demo(args) -> int:
     config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                             chunk=args.chunk, decode_steps=args.decode_steps, layers=args.layers, seed=args.seed,
                             indexer_fp8=args.indexer_fp8 or None, graph=False if args.eager else None,
-                            decode_plans=args.decode_plans, check=False if args.no_check else None)
+                            decode_plans=args.decode_plans, check=False if args.no_check else None,
+                            fused=args.fused or None)
     progress = not args.no_progress and sys.stderr.isatty()
     result = run.run_demo(config, str(device), progress=progress)
     _emit(args, result.as_dict(), run.format_result(result))
@@ -456,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--seed", type=int, help="random seed (default 0)")
     pd.add_argument("--indexer-fp8", action="store_true", help="indexer cache in fp8 instead of fp4")
     pd.add_argument("--eager", action="store_true", help="decode without a CUDA graph")
+    pd.add_argument("--fused", action="store_true",
+                    help="run each compressor step through compress_and_store (one kernel) instead of two ops")
     pd.add_argument("--decode-plans", choices=("in-graph", "copy"),
                     help="build decode plans inside the graph (default) or outside it and copy_ them in")
     pd.add_argument("--no-check", action="store_true", help="skip the reference run and the comparison")

@@ -20,8 +20,9 @@ Inputs = list[list[torch.Tensor]]
 
 
 class Engine:
-    def __init__(self, device: torch.device, pool: PagedPool, specs: list[tuple[CompressorSpec, ...]], seed: int):
-        self.device = device
+    def __init__(self, device: torch.device, pool: PagedPool, specs: list[tuple[CompressorSpec, ...]], seed: int,
+                 fused: bool = False):
+        self.device, self.fused = device, fused
         self.req_to_token = pool.req_to_token.to(device)
         self.full_to_state = pool.full_to_state.to(device)
         self.freq_cis = yarn_freq_cis(pool.max_ctx).to(device)
@@ -59,7 +60,7 @@ class Engine:
         for layer, layer_inputs in zip(self.layers, inputs):
             for comp, kv_score in zip(layer, layer_inputs):
                 r = comp.spec.ratio
-                step(comp, plans[r], kv_score, out_locs[r], self.freq_cis)
+                step(comp, plans[r], kv_score, out_locs[r], self.freq_cis, fused=self.fused)
 
     def to_device(self, inputs: Inputs) -> Inputs:
         return [[x.to(self.device, non_blocking=True) for x in layer] for layer in inputs]

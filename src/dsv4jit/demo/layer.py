@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import compress_forward, compress_norm_rope_store
+from ..ops import compress_and_store, compress_forward, compress_norm_rope_store
 from ..reference.store import page_bytes
 from .pool import SWA_PAGE, PagedPool
 
@@ -79,10 +79,17 @@ class Compressor:
         self.norm_weight = (0.5 + torch.rand(spec.head_dim, generator=gen)).to(device)
 
 
-def step(comp: Compressor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor, freq_cis: torch.Tensor) -> None:
+def step(comp: Compressor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor, freq_cis: torch.Tensor, *,
+         fused: bool = False) -> None:
     """One compressor for one forward step: pool the windows this step closes and update the state
-    ring, then RMSNorm + RoPE (+ Hadamard) + quantize into the compressed cache."""
+    ring, then RMSNorm + RoPE (+ Hadamard) + quantize into the compressed cache (`fused`: in one
+    kernel, compress_and_store; the same bytes)."""
     spec = comp.spec
+    if fused:
+        compress_and_store(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio,
+                           norm_weight=comp.norm_weight, norm_eps=NORM_EPS, freq_cis=freq_cis, out_loc=out_loc,
+                           kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4)
+        return
     kv = compress_forward(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio)
     compress_norm_rope_store(kv, plan, norm_weight=comp.norm_weight, norm_eps=NORM_EPS, freq_cis=freq_cis,
                              out_loc=out_loc, kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4)

@@ -32,6 +32,7 @@ class DemoConfig:
     graph: bool = True           # capture the decode step in a CUDA graph (GPU only)
     decode_plans: str = "in-graph"  # "in-graph" or "copy" (see DecodeGraph)
     check: bool = True           # also run the reference backend and compare
+    fused: bool = False          # each compressor step through compress_and_store (one kernel)
 
     def validate(self) -> None:
         for name in ("requests", "min_prompt", "chunk", "layers"):
@@ -110,13 +111,13 @@ def make_inputs(s: Step, specs: list[tuple[CompressorSpec, ...]], gen: torch.Gen
     return inputs
 
 
-def warm_up(device: torch.device, specs: list[tuple[CompressorSpec, ...]]) -> float:
+def warm_up(device: torch.device, specs: list[tuple[CompressorSpec, ...]], fused: bool) -> float:
     """Load (compiling if needed) every kernel the flow uses, on a throwaway pool; returns seconds."""
     start = time.perf_counter()
     kinds = list(dict.fromkeys(specs))
     gen = torch.Generator().manual_seed(0)
     pool = PagedPool(1, 256, gen)
-    engine = Engine(device, pool, kinds, seed=0)
+    engine = Engine(device, pool, kinds, seed=0, fused=fused)
     timer = Timer(device)
     for s in schedule([130], [0], 256, 1):
         run = engine.prefill if s.kind == "prefill" else engine.decode
@@ -155,9 +156,9 @@ def run_demo(config: DemoConfig, device: str | None = None, *, progress: bool = 
     slots = torch.randperm(num_slots, generator=gen)[:config.requests].tolist()
     steps = schedule(prompt_lens, slots, config.chunk, config.decode_steps)
     specs = layer_specs(config.layers, config.indexer_fp8)
-    load_seconds = warm_up(dev, specs) if dev.type == "cuda" else 0.0
+    load_seconds = warm_up(dev, specs, config.fused) if dev.type == "cuda" else 0.0
 
-    engine = Engine(dev, pool, specs, seed=config.seed + 1)
+    engine = Engine(dev, pool, specs, seed=config.seed + 1, fused=config.fused)
     reference = Engine(CPU, pool, specs, seed=config.seed + 1) if config.check else None
     timer, ref_timer = Timer(dev), Timer(CPU)
     use_graph = dev.type == "cuda" and config.graph and not runtime.checks_enabled()  # checked mode syncs
@@ -220,7 +221,9 @@ def format_result(result: DemoResult) -> list[str]:
              f"{sum(result.prompt_lens)} tokens), prefill chunk {cfg['chunk']} tokens, {cfg['decode_steps']} decode "
              f"steps, seed {cfg['seed']}")
     lines = [f"dsv4jit demo on {result.device_name} ({result.device}): {backend}", sizes,
-             f"layers {cfg['layers']}: " + "; ".join(dict.fromkeys(result.layer_kinds)) + " (alternating)"]
+             f"layers {cfg['layers']}: " + "; ".join(dict.fromkeys(result.layer_kinds)) + " (alternating)",
+             "compressor step: " + ("compress_and_store (fused)" if cfg["fused"]
+                                    else "compress_forward + compress_norm_rope_store")]
     if result.backend == "kernels":
         lines.append(f"kernel load (compiles on a cold cache): {result.load_seconds:.2f} s")
     clock = "CUDA events" if result.backend == "kernels" else "host clock"
