@@ -97,18 +97,6 @@ def _targets(args) -> list[tuple]:
     return pairs
 
 
-def _default_jobs(n: int) -> int:
-    if explicit := env.jobs():
-        return explicit
-    try:
-        with open("/proc/meminfo") as f:
-            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        by_mem = int(avail_kb / 2**20 // env.job_mem_gb())
-    except (OSError, StopIteration):
-        by_mem = os.cpu_count() or 1
-    return max(1, min(os.cpu_count() or 1, by_mem, n))
-
-
 def _emit(args, payload, lines: list[str]) -> None:
     if getattr(args, "json", False):
         print(json.dumps(payload, indent=1, default=str))
@@ -141,7 +129,7 @@ def cmd_precompile(args) -> int:
                     for r in todo]
         _emit(args, {"results": results}, [f"{r['status']:>11}  {r['variant']}  {r['arch']}" for r in results])
         return EXIT_OK
-    jobs = args.jobs or _default_jobs(len(todo))
+    jobs = args.jobs or build.default_jobs(len(todo))
     start = time.monotonic()
     failed = 0
 

@@ -150,10 +150,9 @@ def _build_missing(todo: list[Variant], arch: Arch, jobs: Optional[int]) -> None
     missing = [r for r in (loader.resolve(v, arch) for v in todo) if r.entry is None and r.toolchain_error is None]
     if not missing:
         return
-    from .cli import _default_jobs
 
     tc = toolchain(need_cuda=not arch.is_host)
-    with ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(missing))) as pool:
+    with ThreadPoolExecutor(max_workers=jobs or build.default_jobs(len(missing))) as pool:
         for _ in pool.map(lambda r: build.build(r.variant, arch, tc, r.info, r.command, "warmup",
                                                 loader._load_module), missing):
             pass
