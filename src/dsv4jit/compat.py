@@ -21,15 +21,14 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .ops import _cuda_device, _describe, _dtype_name
+from .ops import _FLOAT_DTYPES, _STATE_DTYPES, _cuda_device, _describe, _dtype_name
+from .plan_layout import LEGACY_PLAN_BYTES
 from .reference import compat as ref
 
 __all__ = ["flash_c4_decode", "flash_c4_prefill"]
 
 _DECODE, _PREFILL = "flash_c4_decode", "flash_c4_prefill"
 _HEAD_DIMS = (128, 512)
-_STATE = (torch.float32, torch.bfloat16)
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _STATUS = {1: "an indices / extra entry names a page outside kv_score_buffer",
            2: "a plan row names a ragged row outside kv_score_input",
            4: "a plan row's batch_id is not below the batch size",
@@ -82,18 +81,17 @@ def _head_dim(op: str, out: torch.Tensor) -> int:
 
 
 def _check_common(check: _Args, hd: int, paged: bool, buffer, inputs, out, ape, indices, rows: str) -> None:
-    check("kv_score_buffer", buffer, ("num_pages" if paged else "num_indices", 4 if paged else 8, 4 * hd), _STATE)
-    check("kv_score_input", inputs, (rows, 4 * hd), _FLOAT)
-    check("kv_compressed_output", out, (rows, hd), _FLOAT)
+    check("kv_score_buffer", buffer, ("num_pages" if paged else "num_indices", 4 if paged else 8, 4 * hd),
+          _STATE_DTYPES)
+    check("kv_score_input", inputs, (rows, 4 * hd), _FLOAT_DTYPES)
+    check("kv_compressed_output", out, (rows, hd), _FLOAT_DTYPES)
     check("ape", ape, (8, hd), (inputs.dtype,))
     check("indices", indices, ("batch_size",), (torch.int32,), align=4)
 
 
 def _kernel(op: str, device: torch.device, export: str, hd: int, buffer, inputs, out):
-    if buffer.dtype not in _STATE:
-        raise TypeError(f"dsv4jit.{op}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
-                        f"got {buffer.dtype}")
-    return runtime.function("compat_c4", export, device, head_dim=hd, state=_dtype_name(buffer, "kv_score_buffer", op),
+    return runtime.function("compat_c4", export, device, head_dim=hd,
+                            state=_dtype_name(buffer, "kv_score_buffer", op, _STATE_DTYPES),
                             input=_dtype_name(inputs, "kv_score_input", op),
                             output=_dtype_name(out, "kv_compressed_output", op))
 
@@ -152,8 +150,8 @@ def flash_c4_prefill(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
         check = _Args(op)
         _check_common(check, hd, extra is not None, kv_score_buffer, kv_score_input, kv_compressed_output, ape,
                       indices, "num_q_tokens")
-        check("compress_plan", compress_plan, ("compress_rows", ref.LEGACY_PLAN_BYTES), (torch.uint8,))
-        check("write_plan", write_plan, ("write_rows", ref.LEGACY_PLAN_BYTES), (torch.uint8,))
+        check("compress_plan", compress_plan, ("compress_rows", LEGACY_PLAN_BYTES), (torch.uint8,))
+        check("write_plan", write_plan, ("write_rows", LEGACY_PLAN_BYTES), (torch.uint8,))
         if extra is not None:
             check("extra", extra, ("batch_size", 4), (torch.int32,))
         tokens, batch = check.bound("num_q_tokens"), check.bound("batch_size")

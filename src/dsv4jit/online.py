@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import library, runtime
-from .ops import _ape_as, _cuda_device, _describe
+from .ops import _STATE_DTYPES, _ape_as, _cuda_device, _describe, _dtype_name, _state_pool
 from .plan import CompressorDecodePlan, CompressorPrefillPlan
 from .reference import online as ref_online
 
@@ -61,9 +61,7 @@ def _compress_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
                      plan_rows: torch.Tensor, plan_w: torch.Tensor | None, out: torch.Tensor,
                      head_dim: int) -> None:
     """compress_forward_online on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode)."""
-    state_width = 3 * head_dim
-    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == state_width and kv_score_buffer.is_contiguous():
-        kv_score_buffer = kv_score_buffer.view(-1, 1, state_width)
+    kv_score_buffer = _state_pool(kv_score_buffer, 1, 3 * head_dim)
     device = _cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
     if device is None:
         if plan_w is None:
@@ -75,12 +73,8 @@ def _compress_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     if head_dim not in _KERNEL_HEAD_DIMS:
         raise ValueError(f"dsv4jit.{_OP}: argument 'head_dim' must be one of {list(_KERNEL_HEAD_DIMS)} on CUDA "
                          f"with is_online=True, got {head_dim}")
-    states = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    if kv_score_buffer.dtype not in states:
-        raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
-                        f"got {kv_score_buffer.dtype}")
     fn = runtime.function("compress_online", "decode" if plan_w is None else "prefill", device, head_dim=head_dim,
-                          state=states[kv_score_buffer.dtype])
+                          state=_dtype_name(kv_score_buffer, "kv_score_buffer", _OP, _STATE_DTYPES))
     status = runtime.status_word(device)
     if plan_w is None:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)

@@ -16,7 +16,10 @@ from .plan import CompressorDecodePlan, CompressorPrefillPlan
 from .reference import compress as ref_compress
 from .reference import store as ref_store
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {torch.float32: ("fp32", "float32"), torch.bfloat16: ("bf16", "bfloat16"),
+                torch.float16: ("fp16", "float16")}
+_FLOAT_DTYPES = tuple(_DTYPE_NAMES)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)  # state pools, and every row the store step reads
 _OP = "compress_forward"
 
 
@@ -29,12 +32,29 @@ def _cuda_device(*tensors: Optional[torch.Tensor]) -> Optional[torch.device]:
     return None
 
 
-def _dtype_name(t: torch.Tensor, arg: str, op: str = _OP) -> str:
-    try:
-        return _DTYPE_NAMES[t.dtype]
-    except KeyError:
-        raise TypeError(f"dsv4jit.{op}: argument '{arg}': dtype must be float32, bfloat16 or float16, "
-                        f"got {t.dtype}") from None
+def _dtype_key(dtype: torch.dtype, arg: str, op: str = _OP, allowed: tuple = _FLOAT_DTYPES) -> str:
+    """The kernel-parameter name of `dtype`; TypeError naming the argument if it is not `allowed`."""
+    if dtype in allowed:
+        return _DTYPE_NAMES[dtype][0]
+    words = [_DTYPE_NAMES[d][1] for d in allowed]
+    raise TypeError(f"dsv4jit.{op}: argument '{arg}': dtype must be {', '.join(words[:-1])} or {words[-1]}, "
+                    f"got {dtype}")
+
+
+def _dtype_name(t: torch.Tensor, arg: str, op: str = _OP, allowed: tuple = _FLOAT_DTYPES) -> str:
+    return _dtype_key(t.dtype, arg, op, allowed)
+
+
+def _state_pool(buffer: torch.Tensor, rows_per_page: int, width: int) -> torch.Tensor:
+    """A flat contiguous ``[rows, width]`` state pool as the kernels' ``[pages, rows_per_page, width]``."""
+    if buffer.dim() == 2 and buffer.shape[-1] == width and buffer.is_contiguous():
+        return buffer.view(-1, rows_per_page, width)
+    return buffer
+
+
+def _num_q_tokens(plan) -> int:
+    """What a prefill plan recorded (bounds out_loc); -1 for decode plans and plans built by hand."""
+    return -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
 
 
 _COMPRESS_STATUS = {1: "a plan row names a state page outside kv_score_buffer",
@@ -47,6 +67,9 @@ _STORE_STATUS = {1: "an out_loc entry of a stored row lies outside kvcache",
 
 def _describe(texts: dict[int, str]):
     return lambda code: "; ".join(text for bit, text in texts.items() if code & bit)
+
+
+_DESCRIBE_COMPRESS, _DESCRIBE_STORE = _describe(_COMPRESS_STATUS), _describe(_STORE_STATUS)
 
 
 def _check_ratio(op: str, plan, compress_ratio: int) -> None:
@@ -96,26 +119,26 @@ def _compress(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: 
               plan_w: Optional[torch.Tensor], out: torch.Tensor, head_dim: int, compress_ratio: int,
               is_decode: bool) -> None:
     """compress_forward on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode)."""
-    last_dim = (4 if compress_ratio == 4 else 2) * head_dim
-    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == last_dim and kv_score_buffer.is_contiguous():
-        kv_score_buffer = kv_score_buffer.view(-1, compress_ratio, last_dim)
+    kv_score_buffer = _state_pool(kv_score_buffer, compress_ratio, _row_width(compress_ratio, head_dim))
     device = _cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
     if device is None:
         _reference(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, head_dim, compress_ratio, out)
         return
-    if kv_score_buffer.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"dsv4jit.{_OP}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
-                        f"got {kv_score_buffer.dtype}")
     fn = runtime.function(f"compress_c{compress_ratio}", "decode" if is_decode else "prefill",
                           device, head_dim=head_dim,
-                          state=_dtype_name(kv_score_buffer, "kv_score_buffer"),
+                          state=_dtype_name(kv_score_buffer, "kv_score_buffer", allowed=_STATE_DTYPES),
                           input=_dtype_name(kv_score_input, "kv_score_input"), output=_dtype_name(out, "out"))
     status = runtime.status_word(device)
     if is_decode:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
     else:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
-    runtime.raise_status(status, _OP, _describe(_COMPRESS_STATUS))
+    runtime.raise_status(status, _OP, _DESCRIBE_COMPRESS)
+
+
+def _row_width(compress_ratio: int, head_dim: int) -> int:
+    """Values per state/input row: kv_ov | kv | sc_ov | sc (c4) or kv | sc (c128)."""
+    return (4 if compress_ratio == 4 else 2) * head_dim
 
 
 def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> None:
@@ -126,8 +149,8 @@ def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> 
                                       out=out)
 
 
-def _store_format(head_dim: int, use_fp4: bool, bf16_store: bool) -> str:
-    op = "compress_norm_rope_store"
+def _store_format(op: str, head_dim: int, use_fp4: bool, bf16_store: bool, head_dim_arg: str) -> str:
+    """The cache format the flags select for `head_dim` (`head_dim_arg` says where head_dim came from)."""
     if head_dim == 512:
         if use_fp4:
             raise ValueError(f"dsv4jit.{op}: argument 'use_fp4' needs the indexer head_dim 128, got head_dim 512")
@@ -136,7 +159,7 @@ def _store_format(head_dim: int, use_fp4: bool, bf16_store: bool) -> str:
         if bf16_store:
             raise ValueError(f"dsv4jit.{op}: argument 'bf16_store' needs head_dim 512, got head_dim 128")
         return "indexer_fp4" if use_fp4 else "indexer_fp8"
-    raise ValueError(f"dsv4jit.{op}: argument 'kv': head_dim (kv.shape[1]) must be 512 or 128, got {head_dim}")
+    raise ValueError(f"dsv4jit.{op}: argument {head_dim_arg} must be 512 or 128, got {head_dim}")
 
 
 def _check_out_loc(op: str, is_decode: bool, num_q_tokens: int, out_loc: torch.Tensor, rows: int) -> None:
@@ -181,12 +204,11 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
         raise NotImplementedError(f"dsv4jit.{op}: only layout='v4' without fp8_2buff/kvcache_rope is available")
     if kv.dim() != 2:
         raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
-    fmt = _store_format(kv.shape[1], use_fp4, bf16_store)
+    fmt = _store_format(op, kv.shape[1], use_fp4, bf16_store, "'kv': head_dim (kv.shape[1])")
     if norm_weight.dtype != kv.dtype:
         norm_weight = norm_weight.to(kv.dtype)
-    num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
     _norm_rope_store(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
-                     plan.compress_ratio, plan.is_decode, float(norm_eps), num_q)
+                     plan.compress_ratio, plan.is_decode, float(norm_eps), _num_q_tokens(plan))
 
 
 @library.custom_op("norm_rope_store", mutates_args=("kvcache",))
@@ -208,7 +230,7 @@ def _norm_rope_store(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: tor
     status = runtime.status_word(device)
     fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
        is_decode, norm_eps, num_q_tokens)
-    runtime.raise_status(status, op, _describe(_STORE_STATUS))
+    runtime.raise_status(status, op, _DESCRIBE_STORE)
 
 
 def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
@@ -227,17 +249,16 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     if is_online:
         raise NotImplementedError(f"dsv4jit.{op}: the online c128 compressor is not available in this version")
     _check_ratio(op, plan, compress_ratio)
-    fmt = _store_format(head_dim, use_fp4, bf16_store)
+    fmt = _store_format(op, head_dim, use_fp4, bf16_store, "'head_dim'")
     if compress_ratio == 128 and head_dim != 512:
         raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with compress_ratio 128 (the V4 cache "
                          f"formats), got {head_dim}")
     ape = _ape_as(op, ape, kv_score_input.dtype)
     if norm_weight.dtype != kv_score_input.dtype:
         norm_weight = norm_weight.to(kv_score_input.dtype)
-    num_q = -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
     _compress_and_store(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w,
                         norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size, head_dim,
-                        compress_ratio, plan.is_decode, float(norm_eps), num_q)
+                        compress_ratio, plan.is_decode, float(norm_eps), _num_q_tokens(plan))
 
 
 @library.custom_op("compress_and_store", mutates_args=("kv_score_buffer", "kvcache"))
@@ -248,9 +269,7 @@ def _compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Ten
                         num_q_tokens: int) -> None:
     """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
     op = "compress_and_store"
-    last_dim = (4 if compress_ratio == 4 else 2) * head_dim
-    if kv_score_buffer.dim() == 2 and kv_score_buffer.shape[-1] == last_dim and kv_score_buffer.is_contiguous():
-        kv_score_buffer = kv_score_buffer.view(-1, compress_ratio, last_dim)
+    kv_score_buffer = _state_pool(kv_score_buffer, compress_ratio, _row_width(compress_ratio, head_dim))
     device = _cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache)
     if device is None:  # the reference of the two steps
         rows = torch.empty((plan_rows.shape[0], head_dim), dtype=kv_score_input.dtype)
@@ -259,16 +278,10 @@ def _compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Ten
         _norm_rope_store.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size,
                               compress_ratio, is_decode, norm_eps, num_q_tokens)
         return
-    if kv_score_buffer.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"dsv4jit.{op}: argument 'kv_score_buffer': dtype must be float32 or bfloat16, "
-                        f"got {kv_score_buffer.dtype}")
-    if kv_score_input.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"dsv4jit.{op}: argument 'kv_score_input': dtype must be float32 or bfloat16, "
-                        f"got {kv_score_input.dtype}")
     fn = runtime.function("fused", "decode" if is_decode else "prefill", device, ratio=compress_ratio,
-                          format=store_format, state=_dtype_name(kv_score_buffer, "kv_score_buffer", op),
-                          input=_dtype_name(kv_score_input, "kv_score_input", op))
-    status = torch.zeros(2, dtype=torch.int32, device=device) if runtime.checks_enabled() else None
+                          format=store_format, state=_dtype_name(kv_score_buffer, "kv_score_buffer", op, _STATE_DTYPES),
+                          input=_dtype_name(kv_score_input, "kv_score_input", op, _STATE_DTYPES))
+    status = runtime.status_word(device, words=2)  # compress violations, then store violations
     if is_decode:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size,
            norm_eps)
@@ -277,5 +290,5 @@ def _compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Ten
            page_size, norm_eps, num_q_tokens)
     if status is not None:  # word 0: compress violations, word 1: store violations
         runtime.raise_status(status[0] | (status[1] << 8), op,
-                             lambda code: "; ".join(filter(None, (_describe(_COMPRESS_STATUS)(code & 0xFF),
-                                                                  _describe(_STORE_STATUS)(code >> 8)))))
+                             lambda code: "; ".join(filter(None, (_DESCRIBE_COMPRESS(code & 0xFF),
+                                                                  _DESCRIBE_STORE(code >> 8)))))

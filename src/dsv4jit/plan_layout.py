@@ -7,6 +7,7 @@ side). This module encodes and decodes them for the reference planner, tests and
 CompressPlan (16 B): u32 seq_len | u16 ragged_id | u16 buffer_len | i32 read_page_0 | i32 read_page_1
 WritePlan    ( 8 B): u32 ragged_id | i32 write_loc
 DecodePlan   (16 B): u32 seq_len | i32 write_loc | i32 read_page_0 | i32 read_page_1
+Legacy PrefillPlan of the older c4 kernel (16 B): u32 ragged_id | u32 batch_id | u32 position | u32 window_len
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 COMPRESS_PLAN_BYTES = 16
 WRITE_PLAN_BYTES = 8
 DECODE_PLAN_BYTES = 16
+LEGACY_PLAN_BYTES = 16  # the older c4 kernel's PrefillPlan {ragged_id, batch_id, position, window_len}
 #: ``seq_len`` (CompressPlan) and ``ragged_id`` (WritePlan) of an invalid row.
 INVALID_U32 = 0xFFFFFFFF
 
@@ -65,6 +67,29 @@ class DecodeRows(NamedTuple):
     write_loc: torch.Tensor
     read_page_0: torch.Tensor
     read_page_1: torch.Tensor
+
+
+class LegacyRows(NamedTuple):
+    """Fields of the older 16-byte PrefillPlan rows (int64 columns holding the u32 values)."""
+
+    ragged_id: torch.Tensor
+    batch_id: torch.Tensor
+    position: torch.Tensor
+    window_len: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.ragged_id != INVALID_U32
+
+
+def decode_legacy_plan(plan: torch.Tensor) -> LegacyRows:
+    u32 = _words(plan, LEGACY_PLAN_BYTES) & 0xFFFFFFFF
+    return LegacyRows(u32[:, 0], u32[:, 1], u32[:, 2], u32[:, 3])
+
+
+def encode_legacy_plan(ragged_id, batch_id, position, window_len) -> torch.Tensor:
+    """``uint8 [rows, 16]`` plan from four equal-length integer sequences (u32 values)."""
+    return _pack([torch.as_tensor(c, dtype=torch.int64) for c in (ragged_id, batch_id, position, window_len)])
 
 
 def decode_compress_plan(plan: torch.Tensor) -> CompressRows:

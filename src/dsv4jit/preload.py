@@ -21,7 +21,9 @@ from . import env, runtime
 from .jit import build, loader
 from .jit.registry import Variant, unique
 from .jit.toolchain import Arch, toolchain
-from .ops import _DTYPE_NAMES, _store_format
+from .ops import _dtype_key, _store_format
+
+_OP = "warmup"
 
 #: DeepSeek-V4: c4 layers compress the latent (512) and the indexer keys (128), c128 layers the latent.
 MODEL_HEAD_DIMS: Mapping[int, tuple[int, ...]] = {4: (512, 128), 128: (512,)}
@@ -40,7 +42,8 @@ class _Config:
         return [(ratio, hd) for ratio, dims in self.head_dims.items() for hd in dims]
 
     def store_format(self, head_dim: int) -> str:
-        return _store_format(head_dim, self.use_fp4 and head_dim == 128, self.bf16_store and head_dim == 512)
+        return _store_format(_OP, head_dim, self.use_fp4 and head_dim == 128, self.bf16_store and head_dim == 512,
+                             "'head_dims'")
 
 
 def _plan(cfg: _Config):
@@ -71,14 +74,6 @@ def _online(cfg: _Config):
 _REACH = {"plan": _plan, "compress": _compress, "store": _store, "fused": _fused, "online": _online}
 
 
-def _dtype(value: torch.dtype, arg: str) -> str:
-    try:
-        return _DTYPE_NAMES[value]
-    except KeyError:
-        raise TypeError(f"dsv4jit.warmup: argument '{arg}' must be torch.float32, bfloat16 or float16, "
-                        f"got {value!r}") from None
-
-
 def _target(device, arch: Optional[str]) -> Arch:
     if arch is not None:
         return Arch.parse(arch)
@@ -94,12 +89,12 @@ def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = N
     """The variants `warmup` builds for `arch` (same arguments); the host target reaches the CPU planner only."""
     unknown = sorted(set(ops) - set(_REACH))
     if unknown:
-        raise ValueError(f"dsv4jit.warmup: argument 'ops' has unknown entries {unknown}; known: {sorted(_REACH)}")
+        raise ValueError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(_REACH)}")
     if arch.is_host:  # CPU tensors: compress and store run the torch references; only planning is compiled
         return [runtime.variant("plan_host", arch)] if "plan" in ops else []
     dims = {int(r): tuple(int(hd) for hd in hds) for r, hds in (head_dims or MODEL_HEAD_DIMS).items()}
-    cfg = _Config(dims, _dtype(state_dtype, "state_dtype"), _dtype(input_dtype, "input_dtype"),
-                  _dtype(output_dtype or input_dtype, "output_dtype"), use_fp4, bf16_store)
+    cfg = _Config(dims, _dtype_key(state_dtype, "state_dtype", _OP), _dtype_key(input_dtype, "input_dtype", _OP),
+                  _dtype_key(output_dtype or input_dtype, "output_dtype", _OP), use_fp4, bf16_store)
     return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in _REACH[op](cfg))
 
 

@@ -55,9 +55,9 @@ def function(kernel: str, name: str, device: torch.device, **params):
     return fn
 
 
-def status_word(device: torch.device) -> torch.Tensor | None:
-    """The int32 word a kernel ORs data-dependent violations into, in checked mode only."""
-    return torch.zeros(1, dtype=torch.int32, device=device) if checks_enabled() else None
+def status_word(device: torch.device, words: int = 1) -> torch.Tensor | None:
+    """The int32 word(s) a kernel ORs data-dependent violations into, in checked mode only."""
+    return torch.zeros(words, dtype=torch.int32, device=device) if checks_enabled() else None
 
 
 def raise_status(status: torch.Tensor | None, op: str, describe) -> None:

@@ -10,7 +10,6 @@ bandwidth; the two-step path additionally writes and reads back the pooled fp32 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -106,10 +105,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--only", default="", help="run the cases whose name contains this text")
-    args = p.parse_args(argv)
+    args = timing.bench_args(__doc__, argv)
     report = run(args.only)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -8,7 +8,6 @@ Python wrappers, so the cost of an op's eager call can be attributed.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -74,9 +73,7 @@ def run(only: str = "") -> list[timing.Row]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--only", default="", help="run the cases whose name contains this text")
-    args = p.parse_args(argv)
+    args = timing.bench_args(__doc__, argv, json_flag=False)
     for row in run(args.only):
         print(f"{row.case:44s} {row.us:8.2f} µs")
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -87,10 +86,7 @@ def run(only: str = "") -> list[timing.Row]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--only", default="", help="run the cases whose name contains this text")
-    args = p.parse_args(argv)
+    args = timing.bench_args(__doc__, argv)
     rows = measure(args.only)
     if args.json:
         print(json.dumps(rows, indent=1))

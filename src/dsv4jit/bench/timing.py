@@ -157,12 +157,18 @@ class BandwidthReport:
                   f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}%")
 
 
+def bench_args(description: str, argv=None, *, json_flag: bool = True) -> argparse.Namespace:
+    """The command line every benchmark module takes: ``[--json] [--only TEXT]``."""
+    p = argparse.ArgumentParser(description=description)
+    if json_flag:
+        p.add_argument("--json", action="store_true")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    return p.parse_args(argv)
+
+
 def bandwidth_main(description: str, run: Callable[[str], BandwidthReport], argv=None) -> None:
     """Command line of a bandwidth benchmark: ``[--json] [--only TEXT]``."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--only", default="", help="run the cases whose name contains this text")
-    args = p.parse_args(argv)
+    args = bench_args(description, argv)
     report = run(args.only)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))

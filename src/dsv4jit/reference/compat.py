@@ -26,41 +26,15 @@ Only data-dependent checks live here (ranges, malformed rows, colliding writes),
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from dsv4jit.plan_layout import INVALID_U32, _pack, _words
+from dsv4jit.plan_layout import LegacyRows, decode_legacy_plan, encode_legacy_plan
 from dsv4jit.reference.compress import window_softmax
 
 __all__ = ["LegacyRows", "c4_decode", "c4_prefill", "decode_legacy_plan", "encode_legacy_plan"]
 
-LEGACY_PLAN_BYTES = 16
 _SLOTS = 8
 _OVERLAP_SLOTS = 4
-
-
-class LegacyRows(NamedTuple):
-    """Fields of the older 16-byte PrefillPlan rows (int64 columns holding the u32 values)."""
-
-    ragged_id: torch.Tensor
-    batch_id: torch.Tensor
-    position: torch.Tensor
-    window_len: torch.Tensor
-
-    @property
-    def valid(self) -> torch.Tensor:
-        return self.ragged_id != INVALID_U32
-
-
-def decode_legacy_plan(plan: torch.Tensor) -> LegacyRows:
-    u32 = _words(plan, LEGACY_PLAN_BYTES) & 0xFFFFFFFF
-    return LegacyRows(u32[:, 0], u32[:, 1], u32[:, 2], u32[:, 3])
-
-
-def encode_legacy_plan(ragged_id, batch_id, position, window_len) -> torch.Tensor:
-    """``uint8 [rows, 16]`` plan from four equal-length integer sequences (u32 values)."""
-    return _pack([torch.as_tensor(c, dtype=torch.int64) for c in (ragged_id, batch_id, position, window_len)])
 
 
 # ----------------------------------------------------------------------------------------------
