@@ -256,8 +256,9 @@ def make_case(fmt: Fmt, kv_dtype: torch.dtype, decode: bool, loc_dtype: torch.dt
     freq_cis = yarn_freq_cis(max_pos) if kv_dtype == torch.bfloat16 else random_freq_cis(max_pos, g)
     case = Case(fmt, random_rows(n, hd, g).to(kv_dtype), random_weight(hd, g), freq_cis, plan,
                 out_loc.to(loc_dtype), stored.tolist(), locs.tolist(), positions)
-    assert len(case.locs) >= 8 and len(set(case.locs)) == len(case.locs)
-    assert len({loc // fmt.page_size for loc in case.locs}) >= 2, "targets must spread over several pages"
+    assert len(set(case.locs)) == len(case.locs)
+    if n >= ROWS:  # the main matrix: enough stored rows, over several pages
+        assert len(case.locs) >= 8 and len({loc // fmt.page_size for loc in case.locs}) >= 2
     return case
 
 
@@ -535,6 +536,20 @@ def test_store_matches_reference(fmt, kv_dtype, decode, loc_dtype, seed, device)
         assert torch.equal(got, expect)       # the CPU backend is the reference
 
 
+IDX_FP8_MANY = Fmt("indexer_fp8", 128, 4, 64, 40)  # room for a batch above the 8-lane threshold
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("fmt,rows", [(f, n) for f in (IDX_FP8, IDX_FP4) for n in (5, 7, 37)] + [(IDX_FP8_MANY, 2053)],
+                         ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
+def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, device):
+    """Indexer rows take 16 lanes (8 for fp8 batches above 2048 rows), several to a warp: counts
+    that leave a warp or a block part empty, on both sides of that threshold."""
+    case = make_case(fmt, torch.float32, decode, torch.int32, seed=7000 + rows + 100 * decode, rows=rows)
+    check_store(case, run_public(case, device), run_reference(case))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("fmt", [V4_C4, V4_C128, IDX_FP4], ids=lambda f: f.id)
@@ -755,10 +770,10 @@ BAD_DATA = ["loc-past-end", "loc-far", "loc-negative", "ragged-beyond-out_loc", 
             "decode-loc-past-end"]
 
 
-def bad_case(kind: str) -> tuple[Case, Case, str]:
-    """(case with one bad stored row, the same case with that row skipped, what checked mode names)."""
+def bad_case(kind: str, fmt: Fmt) -> tuple[Case, Case, str]:
+    """(case with one bad stored row, the same case with that row skipped, what checked mode names).
+    Indexer rows share a warp (8 lanes each): the bad row's neighbours must still be stored."""
     decode = kind.startswith("decode")
-    fmt = V4_C4
     case = make_case(fmt, torch.float32, decode, torch.int64, seed=5000 + BAD_DATA.index(kind))
     row = case.rows[2]
     num_locs = fmt.num_pages * fmt.page_size
@@ -800,9 +815,10 @@ def bad_case(kind: str) -> tuple[Case, Case, str]:
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("fmt", [V4_C4, IDX_FP8], ids=lambda f: f.id)
 @pytest.mark.parametrize("kind", BAD_DATA)
-def test_checked_mode_reports_out_of_range_data(kind, device):
-    bad, _, what = bad_case(kind)
+def test_checked_mode_reports_out_of_range_data(kind, fmt, device):
+    bad, _, what = bad_case(kind, fmt)
     buf, view = guarded_cache(bad.fmt, device)
     dsv4jit.set_checks(True)
     try:
@@ -816,13 +832,14 @@ def test_checked_mode_reports_out_of_range_data(kind, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", [V4_C4, IDX_FP8], ids=lambda f: f.id)
 @pytest.mark.parametrize("kind", BAD_DATA)
-def test_default_mode_never_writes_out_of_bounds(kind, device):
+def test_default_mode_never_writes_out_of_bounds(kind, fmt, device):
     """Default mode does not sync, so the kernel skips the bad row and stores the others; the CPU
     backend may refuse the call up front (ValueError, nothing written). The guard pages around the
     cache view keep their poison either way."""
     dev = torch.device(device)
-    bad, good, _ = bad_case(kind)
+    bad, good, _ = bad_case(kind, fmt)
     buf, view = guarded_cache(bad.fmt, dev)
     dsv4jit.set_checks(False)
     try:

@@ -275,12 +275,6 @@ struct CompatC4 {
     return c;
   }
 
-  static void bind_status(const char* op, Checked& c, const Optional<TensorView>& status) {
-    if (!status.has_value()) return;
-    Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(c.dev);
-    c.p.base.status = static_cast<int32_t*>(status.value().data_ptr());
-  }
-
   static unsigned blocks(uint64_t rows) { return div_ceil(rows * W::kSlices, X::kUnitsPerBlock); }
 
   static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView kv_compressed_output,
@@ -295,7 +289,7 @@ struct CompatC4 {
       Check(op, "extra", extra.value()).shape({batch, 1}).dtype(dl::kI32).cuda(c.dev).contiguous().aligned(4);
       c.p.extra = extra.value().data_ptr();
     }
-    bind_status(op, c, status);
+    c.p.base.status = status_words(op, c.dev, status);
     c.p.seq_lens = static_cast<const int32_t*>(seq_lens.data_ptr());
     c.p.base.num_rows = c.p.batch_size;
     const LaunchShape shape{blocks(c.p.batch_size), X::K::kThreads};
@@ -319,7 +313,7 @@ struct CompatC4 {
       Check(op, "extra", extra.value()).shape({batch, 4}).dtype(dl::kI32).cuda(c.dev).contiguous().aligned();
       c.p.extra = extra.value().data_ptr();
     }
-    bind_status(op, c, status);
+    c.p.base.status = status_words(op, c.dev, status);
     expect(tokens.value >= batch.value, op, "kv_score_input",
            [&] { return "at least one row per request (batch_size " + std::to_string(batch.value) + ") rows"; },
            tokens.value);

@@ -378,20 +378,13 @@ struct Compress {
     launch(op, dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
   }
 
-  /// The checked-mode status words (`words` int32), or nullptr in default mode.
-  static int32_t* status_ptr(const char* op, Device& dev, const Optional<TensorView>& status, int64_t words) {
-    if (!status.has_value()) return nullptr;
-    Check(op, "status", status.value()).shape({words}).dtype(dl::kI32).cuda(dev);
-    return static_cast<int32_t*>(status.value().data_ptr());
-  }
-
   static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
                       TensorView plan_w, TensorView out, Optional<TensorView> status) {
     Device dev;
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
     Params p = prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
                               rows_w);
-    p.status = status_ptr(kOp, dev, status, 1);
+    p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
     launch_write(kOp, dev, p, rows_w.value);
   }
@@ -401,7 +394,7 @@ struct Compress {
     Device dev;
     Size batch{"batch_size"};
     Params p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
-    p.status = status_ptr(kOp, dev, status, 1);
+    p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
   }
 };

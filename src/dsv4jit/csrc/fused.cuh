@@ -131,7 +131,7 @@ struct Kernels {
       if constexpr (kCluster) {
         S::store_tile(p.s, slice, x, w, scale, f, loc, l);
       } else {
-        S::normalize_chunk(slice, x, w, scale, f, l);
+        S::normalize_group(l + kWarpSize * slice, x, w, scale, f);
         S::store_chunk(p.s, slice, x, loc, l);
       }
     }
@@ -175,7 +175,7 @@ struct CompressAndStore {
     Params p{};
     p.c = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr, nullptr,
                                    rows_c, rows_w);
-    int32_t* words = Compress::status_ptr(kOp, dev, status, 2);
+    int32_t* words = status_words(kOp, dev, status, 2);
     p.c.status = words;
     p.s = Store::checked(kOp, rows_c, dev, plan_c, norm_weight, freq, out_loc, kvcache, words ? words + 1 : nullptr,
                          page_size, kRatio, false, eps, num_q_tokens);
@@ -190,7 +190,7 @@ struct CompressAndStore {
     Size batch{"batch_size"};
     Params p{};
     p.c = Compress::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, nullptr, nullptr, batch);
-    int32_t* words = Compress::status_ptr(kOp, dev, status, 2);
+    int32_t* words = status_words(kOp, dev, status, 2);
     p.c.status = words;
     p.s = Store::checked(kOp, batch, dev, plan_d, norm_weight, freq, out_loc, kvcache, words ? words + 1 : nullptr,
                          page_size, kRatio, true, eps, -1);

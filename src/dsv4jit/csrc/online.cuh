@@ -265,7 +265,6 @@ struct Online {
         .aligned();
     Check(op, "ape", ape).shape({kChunk, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
     Check(op, "out", out).shape({out_rows, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
-    if (status.has_value()) Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
     Params p{};
     p.state = state.data_ptr();
     p.input = static_cast<const float*>(input.data_ptr());
@@ -273,7 +272,7 @@ struct Online {
     p.out = static_cast<float*>(out.data_ptr());
     p.num_state_rows = state_rows.value;
     p.num_input_rows = input_rows.value;
-    p.status = status.has_value() ? static_cast<int32_t*>(status.value().data_ptr()) : nullptr;
+    p.status = status_words(op, dev, status);
     return p;
   }
 

@@ -210,12 +210,6 @@ __global__ __launch_bounds__(kThreads) void decode_kernel(const __grid_constant_
 template <bool kPDL>
 struct Planner {
   /// Status word for checked mode: int32 [1] on the plans' device, or None.
-  static int32_t* status_ptr(const char* op, const Optional<TensorView>& status, Device& dev) {
-    if (!status.has_value()) return nullptr;
-    Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
-    return static_cast<int32_t*>(status.value().data_ptr());
-  }
-
   /// GPU-input prefill: lengths on the device; plans are [num_q_tokens, ...], rows past the
   /// totals invalid. No host sync; data-dependent violations are dropped and reported in status.
   static void prefill_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
@@ -266,7 +260,7 @@ struct Planner {
     p.pad = true;
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.extend_lens = static_cast<const int64_t*>(extend_lens.data_ptr());
-    p.status = status_ptr(op, status, dev);
+    p.status = status_words(op, dev, status);
     launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0, WriteRow>,
            p, RequestTable<0>{});
   }
@@ -309,7 +303,7 @@ struct Planner {
     p.cap_c = h.cap_c;
     p.cap_w = h.cap_w;
     p.max_tokens = static_cast<uint32_t>(num_q_tokens);
-    p.status = status_ptr(op, status, h.dev);
+    p.status = status_words(op, h.dev, status);
     uint32_t b0 = 0;
     do {  // at least once, so that padding happens even for an empty batch
       const uint32_t n = std::min<uint32_t>(h.batch - b0, kMaxDeviceBatch);
@@ -378,7 +372,7 @@ struct Planner {
     p.plan_d = static_cast<DecodePlan*>(plan_d.data_ptr());
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.batch_size = static_cast<uint32_t>(batch.value);
-    p.status = status_ptr(op, status, dev);
+    p.status = status_words(op, dev, status);
     launch(op, dev.dev, {div_ceil(p.batch_size, kThreads), kThreads}, kPDL, decode_kernel<kPDL>, p);
   }
 };

@@ -1,10 +1,12 @@
 // compress_norm_rope_store (SPEC §F): RMSNorm -> RoPE on the trailing 64 dims (interleaved pairs,
 // position seq_len - R) -> 128-point Hadamard (indexer) -> quantize -> paged cache store.
 //
-// One warp per compressed row. Lane l holds, in chunk k, the 4 channels 128k + 4l .. 128k + 4l + 3,
-// so every global access is a coalesced 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles
-// of the V4 layout are half-warps, the fp4 32-dim groups are 8 lanes, and the rope dims are the
-// upper half-warp of the last chunk.
+// A row is held by kLanes lanes (a warp for the 512-dim V4 rows; 8 or 16 for the 128-dim indexer
+// rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
+// g = 0, 1, ..: the channels 4(j + kLanes·g) .. +3, its "virtual lane" j + kLanes·g of the
+// 32-lane layout (lane l, chunk k: channels 128k + 4l ..). Every global access is a coalesced
+// 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles of the V4 layout are half-warps, the
+// fp4 32-dim groups are 8 virtual lanes, and the rope dims are the trailing 16 virtual lanes.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -72,14 +74,32 @@ struct Params {
   bool is_decode;
 };
 
-template <typename DType, Format F, bool kPDL>
+template <typename DType, Format F, bool kPDL, int kLanes = kWarpSize>  // kLanes: lanes per row
 struct Kernel {
   using L = Layout<F>;
+  static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 8 || kLanes == 16)),
+                "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 8 or 16 lanes");
   static constexpr int kWarps = 4;
   static constexpr int C = L::kChunks;
+  static constexpr int kRowsPerBlock = kWarps * kWarpSize / kLanes;
+  static constexpr int kGroups = L::kHeadDim / (4 * kLanes);      // 4-channel groups per lane
+  static constexpr int kSpan = kWarpSize / kLanes;                // of them within one 128-channel chunk
+  static constexpr int kRopeLane = (L::kHeadDim - kRopeDim) / 4;  // first virtual lane of the rope dims
+
+  /// Whether group g of some lane holds rope dims.
+  static constexpr bool may_rope(int g) { return kLanes * (g + 1) > kRopeLane; }
+
+  /// The lanes of this thread's row: its reductions shuffle among them only, so rows leave alone.
+  static DSV4_DEV unsigned row_mask() {
+    if constexpr (kLanes == kWarpSize) {
+      return kFullMask;
+    } else {
+      return ((1u << kLanes) - 1) << (threadIdx.x % kWarpSize & ~(kLanes - 1));
+    }
+  }
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
-    if (p.status != nullptr && threadIdx.x % kWarpSize == 0) atomicOr(p.status, bit);
+    if (p.status != nullptr && threadIdx.x % kLanes == 0) atomicOr(p.status, bit);
   }
 
   static DSV4_DEV int64_t load_loc(const Params& p, int64_t i) {
@@ -126,38 +146,56 @@ struct Kernel {
   }
 
   static DSV4_DEV void run(const Params& p) {
-    const int lane = threadIdx.x % kWarpSize;
-    const uint32_t row = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
+    const int j = threadIdx.x % kLanes;
+    const uint32_t row = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
     pdl_wait_upstream<kPDL>();
     if (row >= p.rows) return;
     // The row and the weight do not depend on the plan: their loads go out first, in parallel
     // with the plan -> out_loc -> rope-table chain.
     const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{row} * L::kHeadDim;
     const DType* w_row = static_cast<const DType*>(p.norm_weight);
-    Vec<DType, 4> xv[C], wv[C];
+    Vec<DType, 4> xv[kGroups], wv[kGroups];
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
-      xv[k] = load_vec<4>(x_row + 128 * k + 4 * lane);
-      wv[k] = load_vec<4>(w_row + 128 * k + 4 * lane);
+    for (int g = 0; g < kGroups; ++g) {
+      xv[g] = load_vec<4>(x_row + 4 * (j + kLanes * g));
+      wv[g] = load_vec<4>(w_row + 4 * (j + kLanes * g));
     }
     int64_t loc, position;
     if (!locate(p, row, loc, position)) return;
-    Vec<float, 4> freq{};
-    if (lane >= 16) freq = load_vec<4>(p.freq + position * kRopeDim + 4 * (lane - 16));  // rope lanes
-    pdl_launch_dependents<kPDL>();
-    float w[C][4];
+    float f[kGroups][4] = {};
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
+    for (int g = 0; g < kGroups; ++g) {
+      const int v = j + kLanes * g;
+      if (may_rope(g) && v >= kRopeLane) {
+        const Vec<float, 4> fv = load_vec<4>(p.freq + position * kRopeDim + 4 * (v - kRopeLane));
 #pragma unroll
-      for (int c = 0; c < 4; ++c) w[k][c] = to_f32(wv[k][c]);
+        for (int c = 0; c < 4; ++c) f[g][c] = fv[c];
+      }
     }
-    store_row(p, xv, w, freq, loc, lane);
+    pdl_launch_dependents<kPDL>();
+    float x[kGroups][4], w[kGroups][4];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[g][c] = to_f32(xv[g][c]), w[g][c] = to_f32(wv[g][c]);
+    }
+    const float r = rms_scale(p, sum_squares(x));
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) normalize_group(j + kLanes * g, x[g], w[g], r, f[g]);
+    if constexpr (L::kIndexer) {
+      store_indexer(p, x, loc, j);
+    } else {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) store_chunk(p, g, x[g], loc, j);
+    }
   }
 
   // The sum of squares of a row has one canonical order, shared by every path that stores rows
-  // (so they agree bit for bit). In the store layout (lane l holds channels 128k + 4l .. +3 of
-  // chunk k): each chunk's 4 channels chain their squares (fma, channel order), a lane adds its
-  // chunks' partials in chunk order, and the 32 lanes add by a butterfly (distances 16 .. 1).
+  // (so they agree bit for bit), defined on the 32-lane layout (lane l holds channels
+  // 128k + 4l .. +3 of chunk k): each chunk's 4 channels chain their squares (fma, channel order),
+  // a lane adds its chunks' partials in chunk order, and the 32 lanes add by a butterfly
+  // (distances 16 .. 1). A row held by fewer lanes runs the butterfly's larger distances inside
+  // the thread (the sums are commutative, so both sides of a pair agree).
 
   /// A lane's partial of chunk k: its 4 channels' squares, chained.
   static DSV4_DEV float chunk_partial(const float (&xk)[4]) {
@@ -167,11 +205,40 @@ struct Kernel {
     return q;
   }
 
-  /// The row's sum of squares from every lane's sum of its chunk partials.
-  static DSV4_DEV float row_sum(float lane_sum) {
+  /// The row's sum of squares from its lanes' sums of chunk partials: `t[w]` is this lane's sum
+  /// for virtual lane j + kLanes·w of the 32-lane layout.
+  static DSV4_DEV float row_sum(float (&t)[kSpan]) {
 #pragma unroll
-    for (int m = kWarpSize / 2; m > 0; m /= 2) lane_sum = __fadd_rn(lane_sum, __shfl_xor_sync(kFullMask, lane_sum, m));
-    return lane_sum;
+    for (int m = kSpan / 2; m > 0; m /= 2) {  // distances 16 .. kLanes: inside the thread
+#pragma unroll
+      for (int w = 0; w < kSpan; ++w) {
+        if (!(w & m)) t[w] = t[w | m] = __fadd_rn(t[w], t[w | m]);
+      }
+    }
+    float s = t[0];
+#pragma unroll
+    for (int m = kLanes / 2; m > 0; m /= 2) s = __fadd_rn(s, __shfl_xor_sync(row_mask(), s, m));
+    return s;
+  }
+
+  /// A row held by a warp: each lane's sum of its chunk partials.
+  static DSV4_DEV float row_sum(float lane_sum) {
+    static_assert(kLanes == kWarpSize, "rows held by a warp");
+    float t[1] = {lane_sum};
+    return row_sum(t);
+  }
+
+  /// The row's sum of squares from the groups of a row of `kLanes` lanes.
+  template <int G>
+  static DSV4_DEV float sum_squares(const float (&x)[G][4]) {
+    float t[kSpan];
+#pragma unroll
+    for (int w = 0; w < kSpan; ++w) {
+      t[w] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < G / kSpan; ++k) t[w] = __fadd_rn(t[w], chunk_partial(x[k * kSpan + w]));
+    }
+    return row_sum(t);
   }
 
   static DSV4_DEV float rms_scale(const Params& p, float sum_squares) {
@@ -185,51 +252,28 @@ struct Kernel {
     im = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
   }
 
-  static DSV4_DEV void store_row(const Params& p, const Vec<DType, 4> (&xv)[C], const float (&w)[C][4],
-                                 const Vec<float, 4>& freq, int64_t loc, int lane) {
-    float x[C][4];
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[k][c] = to_f32(xv[k][c]);
-    }
-    float lane_sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) lane_sum = __fadd_rn(lane_sum, chunk_partial(x[k]));
-    const float r = rms_scale(p, row_sum(lane_sum));
-    const float f[4] = {freq[0], freq[1], freq[2], freq[3]};
-#pragma unroll
-    for (int k = 0; k < C; ++k) normalize_chunk(k, x[k], w[k], r, f, lane);
-#pragma unroll
-    for (int k = 0; k < C; ++k) store_chunk(p, k, x[k], loc, lane);
-  }
-
-  /// Normalizes chunk k of a row (lane l: channels 128k + 4l .. +3) with the row's RMS scale `r`
-  /// and rotates its rope dims.
-  static DSV4_DEV void normalize_chunk(int k, float (&x)[4], const float (&w)[4], float r, const float (&freq)[4],
-                                       int lane) {
+  /// Normalizes the 4 channels of virtual lane v (channels 4v .. +3) with the row's RMS scale `r`
+  /// and rotates them if they are rope dims (`freq`: their (cos, sin) pairs).
+  static DSV4_DEV void normalize_group(int v, float (&x)[4], const float (&w)[4], float r, const float (&freq)[4]) {
     // RMSNorm, in the reference's order: y = (x * r) * w, without fused multiply-adds.
 #pragma unroll
     for (int c = 0; c < 4; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
-    if (k == C - 1 && lane >= 16) {  // the trailing 64 dims: interleaved (re, im) pairs
+    if (v >= kRopeLane) {  // the trailing 64 dims: interleaved (re, im) pairs
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair) rotate(x[2 * pair], x[2 * pair + 1], freq[2 * pair], freq[2 * pair + 1]);
     }
   }
 
-  /// Quantizes a normalized chunk k and stores it (with its scales) at cache location `loc`.
+  /// Quantizes a normalized chunk k of the 32-lane layout and stores it (with its scales) at
+  /// cache location `loc`.
   static DSV4_DEV void store_chunk(const Params& p, int k, float (&x)[4], int64_t loc, int lane) {
-    const bool rope = k == C - 1 && lane >= 16;
-    uint8_t* page = page_of(p, loc);
-    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
+    static_assert(kLanes == kWarpSize, "rows held by a warp");
     if constexpr (L::kIndexer) {
-      hadamard128(x, lane);
-      if constexpr (F == Format::kIndexerFp8) {
-        store_indexer_fp8(x, lane, page + slot * 128, page + page_size * 128 + slot * 4);
-      } else {
-        store_indexer_fp4(x, lane, page + slot * 64, page + page_size * 64 + slot * 4);
-      }
+      store_indexer(p, reinterpret_cast<float(&)[1][4]>(x), loc, lane);
     } else {
+      const bool rope = k == C - 1 && lane >= 16;
+      uint8_t* page = page_of(p, loc);
+      const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
       Vec<bf16_t, 4> b;
 #pragma unroll
       for (int c = 0; c < 4; ++c) b[c] = __float2bfloat16_rn(x[c]);
@@ -241,7 +285,7 @@ struct Kernel {
         float q[4], amax = 0.0f;
 #pragma unroll
         for (int c = 0; c < 4; ++c) q[c] = __bfloat162float(b[c]), amax = fmaxf(amax, fabsf(q[c]));
-        amax = reduce_amax(amax, 16);
+        amax = reduce_amax(amax, 16, kFullMask);
         if (rope) {
           store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 4 * (lane - 16), b);
           return;
@@ -253,6 +297,19 @@ struct Kernel {
         *reinterpret_cast<uint32_t*>(page + slot * 576 + 128 * k + 4 * lane) = packed;
         if (lane % 16 == 0) page[page_size * 576 + slot * 8 + 2 * k + lane / 16] = static_cast<uint8_t>(e);
       }
+    }
+  }
+
+  /// Hadamard transform, quantization and store of a normalized indexer row held by `kLanes`
+  /// lanes (lane j, group w: virtual lane j + kLanes·w).
+  static DSV4_DEV void store_indexer(const Params& p, float (&v)[kSpan][4], int64_t loc, int j) {
+    uint8_t* page = page_of(p, loc);
+    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
+    hadamard128(v, j);
+    if constexpr (F == Format::kIndexerFp8) {
+      store_indexer_fp8(v, j, page + slot * 128, page + page_size * 128 + slot * 4);
+    } else {
+      store_indexer_fp4(v, j, page + slot * 64, page + page_size * 64 + slot * 4);
     }
   }
 
@@ -276,7 +333,7 @@ struct Kernel {
       store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 2 * lane, b);
     } else {
       const float q0 = __bfloat162float(b[0]), q1 = __bfloat162float(b[1]);
-      const int e = v4_exponent(reduce_amax(fmaxf(fabsf(q0), fabsf(q1)), kWarpSize));
+      const int e = v4_exponent(reduce_amax(fmaxf(fabsf(q0), fabsf(q1)), kWarpSize, kFullMask));
       const uint32_t codes = uint32_t{v4_code(q0, e)} | uint32_t{v4_code(q1, e)} << 8;
       *reinterpret_cast<uint16_t*>(page + slot * 576 + 64 * tile + 2 * lane) = static_cast<uint16_t>(codes);
       if (lane == 0) page[page_size * 576 + slot * 8 + tile] = static_cast<uint8_t>(e);
@@ -295,55 +352,95 @@ struct Kernel {
     return e4m3_code(fminf(fmaxf(q * exp2_int(127 - e), -448.0f), 448.0f));
   }
 
-  /// Walsh–Hadamard transform over the warp's 128 values (natural order), scaled by 128^-1/2.
-  static DSV4_DEV void hadamard128(float (&v)[4], int lane) {
-    float a = v[0], b = v[1], c = v[2], d = v[3];
-    // distances 1 and 2 are inside the lane
-    float t0 = a + b, t1 = a - b, t2 = c + d, t3 = c - d;
-    a = t0 + t2, b = t1 + t3, c = t0 - t2, d = t1 - t3;
-    float vals[4] = {a, b, c, d};
+  /// Butterfly step of the Hadamard transform on one pair: (lo, hi) -> (lo + hi, lo - hi).
+  static DSV4_DEV void hadamard_pair(float& lo, float& hi) {
+    const float sum = lo + hi, diff = lo - hi;
+    lo = sum, hi = diff;
+  }
+
+  /// Walsh–Hadamard transform over a row's 128 values (natural order), scaled by 128^-1/2, held by
+  /// `kLanes` lanes (lane j, group w: channels 4(j + kLanes·w) .. +3). Distances in
+  /// increasing order: 1, 2 inside a group, then across lanes, then across this lane's groups.
+  static DSV4_DEV void hadamard128(float (&v)[kSpan][4], int j) {
 #pragma unroll
-    for (int m = 1; m < kWarpSize; m *= 2) {  // distances 4 .. 64 pair lane l with lane l ^ m
-      const bool upper = lane & m;
+    for (int w = 0; w < kSpan; ++w) {
+      hadamard_pair(v[w][0], v[w][1]), hadamard_pair(v[w][2], v[w][3]);
+      hadamard_pair(v[w][0], v[w][2]), hadamard_pair(v[w][1], v[w][3]);
+    }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float other = __shfl_xor_sync(kFullMask, vals[i], m);
-        vals[i] = upper ? other - vals[i] : vals[i] + other;
+    for (int m = 1; m < kLanes; m *= 2) {  // distances 4 .. 2·kLanes pair lane j with lane j ^ m
+      const bool upper = j & m;
+#pragma unroll
+      for (int w = 0; w < kSpan; ++w) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float other = __shfl_xor_sync(row_mask(), v[w][i], m);
+          v[w][i] = upper ? other - v[w][i] : v[w][i] + other;
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 1; m < kSpan; m *= 2) {  // distances 4·kLanes .. 64 pair group w with group w ^ m
+#pragma unroll
+      for (int w = 0; w < kSpan; ++w) {
+        if (!(w & m)) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) hadamard_pair(v[w][i], v[w | m][i]);
+        }
       }
     }
     constexpr float kScale = 0.08838834764831845f;  // 1 / sqrt(128)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = vals[i] * kScale;
+    for (int w = 0; w < kSpan; ++w) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[w][i] *= kScale;
+    }
   }
 
-  static DSV4_DEV float reduce_amax(float a, int lanes) {
-    for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(kFullMask, a, m));
+  static DSV4_DEV float reduce_amax(float a, int lanes, unsigned mask) {
+    for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(mask, a, m));
     return a;
   }
 
-  /// Indexer fp8: one fp32 scale (not a power of two) over all 128 values.
-  static DSV4_DEV void store_indexer_fp8(const float (&v)[4], int lane, uint8_t* data, uint8_t* scale) {
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = reduce_amax(amax, kWarpSize);
-    const float s = fmaxf(amax, 1e-4f) / 448.0f;
-    const float inv = 1.0f / s;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) packed |= uint32_t{e4m3_code(fminf(fmaxf(v[c] * inv, -448.0f), 448.0f))} << (8 * c);
-    *reinterpret_cast<uint32_t*>(data + 4 * lane) = packed;
-    if (lane == 0) *reinterpret_cast<float*>(scale) = s;
+  static DSV4_DEV float amax4(const float (&v)[4]) {
+    return fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   }
 
-  /// Indexer fp4: e2m1 codes (even dim in the low nibble), one UE8M0 scale per 32-dim group.
-  static DSV4_DEV void store_indexer_fp4(const float (&v)[4], int lane, uint8_t* data, uint8_t* scales) {
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = reduce_amax(amax, 8);  // 8 lanes = one 32-dim group
-    const int e = ue8m0_ceil(fmaxf(amax, 1e-4f) / 6.0f);
-    const float inv = exp2_int(127 - e);
-    const uint32_t codes = fp4_code(v[0] * inv) | fp4_code(v[1] * inv) << 4 | fp4_code(v[2] * inv) << 8 |
-                           fp4_code(v[3] * inv) << 12;
-    *reinterpret_cast<uint16_t*>(data + 2 * lane) = static_cast<uint16_t>(codes);
-    if (lane % 8 == 0) scales[lane / 8] = static_cast<uint8_t>(e);
+  /// Indexer fp8: one fp32 scale (not a power of two) over all 128 values.
+  static DSV4_DEV void store_indexer_fp8(const float (&v)[kSpan][4], int j, uint8_t* data,
+                                         uint8_t* scale) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSpan; ++w) amax = fmaxf(amax, amax4(v[w]));
+    amax = reduce_amax(amax, kLanes, row_mask());
+    const float s = fmaxf(amax, 1e-4f) / 448.0f;
+    const float inv = 1.0f / s;
+#pragma unroll
+    for (int w = 0; w < kSpan; ++w) {
+      uint32_t packed = 0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        packed |= uint32_t{e4m3_code(fminf(fmaxf(v[w][c] * inv, -448.0f), 448.0f))} << (8 * c);
+      }
+      *reinterpret_cast<uint32_t*>(data + 4 * (j + kLanes * w)) = packed;
+    }
+    if (j == 0) *reinterpret_cast<float*>(scale) = s;
+  }
+
+  /// Indexer fp4: e2m1 codes (even dim in the low nibble), one UE8M0 scale per 32-dim group
+  /// (8 virtual lanes).
+  static DSV4_DEV void store_indexer_fp4(const float (&v)[kSpan][4], int j, uint8_t* data,
+                                         uint8_t* scales) {
+#pragma unroll
+    for (int w = 0; w < kSpan; ++w) {
+      const int e = ue8m0_ceil(fmaxf(reduce_amax(amax4(v[w]), 8, row_mask()), 1e-4f) / 6.0f);
+      const float inv = exp2_int(127 - e);
+      const uint32_t codes = fp4_code(v[w][0] * inv) | fp4_code(v[w][1] * inv) << 4 | fp4_code(v[w][2] * inv) << 8 |
+                             fp4_code(v[w][3] * inv) << 12;
+      const int lane = j + kLanes * w;  // virtual lane
+      *reinterpret_cast<uint16_t*>(data + 2 * lane) = static_cast<uint16_t>(codes);
+      if (lane % 8 == 0) scales[lane / 8] = static_cast<uint8_t>(e);
+    }
   }
 };
 
@@ -354,8 +451,17 @@ __global__ __launch_bounds__(K::kWarps * kWarpSize) void store_kernel(const __gr
 
 template <typename DType, Format F, bool kPDL>
 struct NormRopeStore {
-  using K = Kernel<DType, F, kPDL>;
   using L = Layout<F>;
+
+  /// Lanes per indexer row: 16 keeps per-thread chains short for small batches and for fp4
+  /// (measured faster there); 8 keeps four rows' loads in flight per warp for large fp8 batches.
+  static constexpr uint32_t kEightLaneRows = 2048;
+
+  template <int kLanes>
+  static void launch_rows(const char* op, const Device& dev, const Params& p) {
+    using K = Kernel<DType, F, kPDL, kLanes>;
+    launch(op, dev.dev, {div_ceil(p.rows, K::kRowsPerBlock), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
+  }
 
   /// Checks the plan rows (`rows` of them) and every store operand, and fills the parameters
   /// (kv excluded): the fused compress-and-store kernel shares this with run().
@@ -410,15 +516,17 @@ struct NormRopeStore {
     Size rows{"rows"};
     Device dev;
     Check(op, "kv", kv).shape({rows, L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous().aligned();
-    int32_t* status_ptr = nullptr;
-    if (status.has_value()) {
-      Check(op, "status", status.value()).shape({1}).dtype(dl::kI32).cuda(dev);
-      status_ptr = static_cast<int32_t*>(status.value().data_ptr());
-    }
-    Params p = checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, status_ptr, page_size,
+    Params p = checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, status_words(op, dev, status), page_size,
                        compress_ratio, is_decode, eps, num_q_tokens);
     p.kv = kv.data_ptr();
-    launch(op, dev.dev, {div_ceil(p.rows, K::kWarps), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
+    if constexpr (!L::kIndexer) {
+      launch_rows<kWarpSize>(op, dev, p);
+    } else if constexpr (F == Format::kIndexerFp8) {
+      if (p.rows > kEightLaneRows) return launch_rows<8>(op, dev, p);
+      launch_rows<16>(op, dev, p);
+    } else {
+      launch_rows<16>(op, dev, p);
+    }
   }
 };
 

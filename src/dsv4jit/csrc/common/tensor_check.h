@@ -7,6 +7,7 @@
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
+#include <tvm/ffi/optional.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -174,6 +175,15 @@ inline void expect(bool ok, const char* op, const char* name, const Expectation&
     TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation
                               << ", got " << actual;
   }
+}
+
+/// A kernel's checked-mode status words (int32[words] on the call's device, OR-ed into by the
+/// kernel), or nullptr when the call has none (default mode).
+inline int32_t* status_words(const char* op, Device& dev, const tvm::ffi::Optional<tvm::ffi::TensorView>& status,
+                             int64_t words = 1) {
+  if (!status.has_value()) return nullptr;
+  Check(op, "status", status.value()).shape({words}).dtype(dl::kI32).cuda(dev);
+  return static_cast<int32_t*>(status.value().data_ptr());
 }
 
 }  // namespace dsv4
