@@ -209,7 +209,6 @@ __global__ __launch_bounds__(kThreads) void decode_kernel(const __grid_constant_
 
 template <bool kPDL>
 struct Planner {
-  /// Status word for checked mode: int32 [1] on the plans' device, or None.
   /// GPU-input prefill: lengths on the device; plans are [num_q_tokens, ...], rows past the
   /// totals invalid. No host sync; data-dependent violations are dropped and reported in status.
   static void prefill_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,

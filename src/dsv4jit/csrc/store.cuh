@@ -13,6 +13,8 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include <type_traits>
+
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
 #include "common/plan_structs.h"
@@ -271,32 +273,39 @@ struct Kernel {
     if constexpr (L::kIndexer) {
       store_indexer(p, reinterpret_cast<float(&)[1][4]>(x), loc, lane);
     } else {
-      const bool rope = k == C - 1 && lane >= 16;
-      uint8_t* page = page_of(p, loc);
-      const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
-      Vec<bf16_t, 4> b;
+      store_v4(p, loc, 128 * k + 4 * lane, x);
+    }
+  }
+
+  /// Stores N consecutive dims (from `dim`) of a normalized V4 row, N per lane over a warp, so a
+  /// 64-dim tile spans 64 / N lanes: bf16_store as bf16; V4 latent as e4m3 of the bf16-rounded
+  /// values with one UE8M0 scale per tile (every lane joins the reduction), the rope dims as bf16.
+  template <int N>
+  static DSV4_DEV void store_v4(const Params& p, int64_t loc, int dim, const float (&x)[N]) {
+    uint8_t* page = page_of(p, loc);
+    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
+    Vec<bf16_t, N> b;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) b[c] = __float2bfloat16_rn(x[c]);
-      if constexpr (F == Format::kV4Bf16) {
-        store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + 128 * k + 4 * lane, b);
-      } else {
-        // V4 latent: e4m3 of the bf16-rounded values, one UE8M0 scale per 64-dim tile (a half-warp;
-        // every lane joins the reduction, the rope half-warp then stores bf16 instead)
-        float q[4], amax = 0.0f;
+    for (int c = 0; c < N; ++c) b[c] = __float2bfloat16_rn(x[c]);
+    if constexpr (F == Format::kV4Bf16) {
+      store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + dim, b);
+    } else {
+      constexpr int kNope = L::kHeadDim - kRopeDim;
+      float q[N], amax = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) q[c] = __bfloat162float(b[c]), amax = fmaxf(amax, fabsf(q[c]));
-        amax = reduce_amax(amax, 16, kFullMask);
-        if (rope) {
-          store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 4 * (lane - 16), b);
-          return;
-        }
-        const int e = v4_exponent(amax);
-        uint32_t packed = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) packed |= uint32_t{v4_code(q[c], e)} << (8 * c);
-        *reinterpret_cast<uint32_t*>(page + slot * 576 + 128 * k + 4 * lane) = packed;
-        if (lane % 16 == 0) page[page_size * 576 + slot * 8 + 2 * k + lane / 16] = static_cast<uint8_t>(e);
+      for (int c = 0; c < N; ++c) q[c] = __bfloat162float(b[c]), amax = fmaxf(amax, fabsf(q[c]));
+      amax = reduce_amax(amax, 64 / N, kFullMask);
+      if (dim >= kNope) {
+        store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + kNope) + (dim - kNope), b);
+        return;
       }
+      const int e = v4_exponent(amax);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int c = 0; c < N; ++c) packed |= uint32_t{v4_code(q[c], e)} << (8 * c);
+      using Codes = std::conditional_t<N == 4, uint32_t, uint16_t>;
+      *reinterpret_cast<Codes*>(page + slot * 576 + dim) = static_cast<Codes>(packed);
+      if (dim % 64 == 0) page[page_size * 576 + slot * 8 + dim / 64] = static_cast<uint8_t>(e);
     }
   }
 
@@ -320,24 +329,8 @@ struct Kernel {
     static_assert(!L::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
 #pragma unroll
     for (int c = 0; c < 2; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
-    const bool rope = tile == L::kHeadDim / 64 - 1;
-    if (rope) rotate(x[0], x[1], freq[0], freq[1]);
-    uint8_t* page = page_of(p, loc);
-    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
-    Vec<bf16_t, 2> b;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) b[c] = __float2bfloat16_rn(x[c]);
-    if constexpr (F == Format::kV4Bf16) {
-      store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + 64 * tile + 2 * lane, b);
-    } else if (rope) {
-      store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + 448) + 2 * lane, b);
-    } else {
-      const float q0 = __bfloat162float(b[0]), q1 = __bfloat162float(b[1]);
-      const int e = v4_exponent(reduce_amax(fmaxf(fabsf(q0), fabsf(q1)), kWarpSize, kFullMask));
-      const uint32_t codes = uint32_t{v4_code(q0, e)} | uint32_t{v4_code(q1, e)} << 8;
-      *reinterpret_cast<uint16_t*>(page + slot * 576 + 64 * tile + 2 * lane) = static_cast<uint16_t>(codes);
-      if (lane == 0) page[page_size * 576 + slot * 8 + tile] = static_cast<uint8_t>(e);
-    }
+    if (tile == L::kHeadDim / 64 - 1) rotate(x[0], x[1], freq[0], freq[1]);
+    store_v4(p, loc, 64 * tile + 2 * lane, x);
   }
 
   static DSV4_DEV uint8_t* page_of(const Params& p, int64_t loc) {
