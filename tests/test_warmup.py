@@ -37,7 +37,8 @@ def test_model_defaults_reach_planner_compress_and_store():
 
 def test_dtypes_formats_and_op_families():
     got = ids(variants(SM90, state_dtype=torch.bfloat16, input_dtype=torch.bfloat16, output_dtype=torch.float32,
-                       use_fp4=True, bf16_store=True, ops=("compress", "store", "fused", "online")))
+                       use_fp4=True, bf16_store=True,
+                       ops=("compress", "store", "fused", "online", "fused_online")))
     assert got == [
         "compress_c4[head_dim=512,state=bf16,input=bf16,output=fp32,pdl=1]",
         "compress_c4[head_dim=128,state=bf16,input=bf16,output=fp32,pdl=1]",
@@ -48,6 +49,7 @@ def test_dtypes_formats_and_op_families():
         "fused[ratio=4,format=indexer_fp4,state=bf16,input=bf16,pdl=1]",
         "fused[ratio=128,format=v4_bf16,state=bf16,input=bf16,pdl=1]",
         "compress_online[head_dim=512,state=bf16,pdl=1]",
+        "fused_online[format=v4_bf16,state=bf16,pdl=1]",
     ]
 
 

@@ -244,10 +244,16 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
 
     Decode is one kernel launch; prefill is the fused pool-and-store kernel followed by the state-ring
     write pass (this step's ring writes may alias rows the pooling reads, so they must come after it).
+    is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
     """
     op = "compress_and_store"
     if is_online:
-        raise NotImplementedError(f"dsv4jit.{op}: the online c128 compressor is not available in this version")
+        from .online import compress_and_store_online  # online.py builds on this module's helpers
+
+        return compress_and_store_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim,
+                                         compress_ratio=compress_ratio, norm_weight=norm_weight, norm_eps=norm_eps,
+                                         freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size,
+                                         use_fp4=use_fp4, bf16_store=bf16_store)
     _check_ratio(op, plan, compress_ratio)
     fmt = _store_format(op, head_dim, use_fp4, bf16_store, "'head_dim'")
     if compress_ratio == 128 and head_dim != 512:
@@ -281,14 +287,24 @@ def _compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Ten
     fn = runtime.function("fused", "decode" if is_decode else "prefill", device, ratio=compress_ratio,
                           format=store_format, state=_dtype_name(kv_score_buffer, "kv_score_buffer", op, _STATE_DTYPES),
                           input=_dtype_name(kv_score_input, "kv_score_input", op, _STATE_DTYPES))
-    status = runtime.status_word(device, words=2)  # compress violations, then store violations
-    if is_decode:
+    _call_fused(fn, op, _DESCRIBE_COMPRESS, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w,
+                norm_weight, freq, out_loc, kvcache, page_size, norm_eps, num_q_tokens)
+
+
+def _call_fused(fn, op: str, describe_compress, device: torch.device, kv_score_buffer: torch.Tensor,
+                kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,
+                plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor, freq: torch.Tensor, out_loc: torch.Tensor,
+                kvcache: torch.Tensor, page_size: int, norm_eps: float, num_q_tokens: int) -> None:
+    """Calls a fused entry point (decode: plan_w None) and raises what checked mode found: word 0 of the
+    status holds the compress violations (`describe_compress`), word 1 the store ones."""
+    status = runtime.status_word(device, words=2)
+    if plan_w is None:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size,
            norm_eps)
     else:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
            page_size, norm_eps, num_q_tokens)
-    if status is not None:  # word 0: compress violations, word 1: store violations
+    if status is not None:
         runtime.raise_status(status[0] | (status[1] << 8), op,
-                             lambda code: "; ".join(filter(None, (_DESCRIBE_COMPRESS(code & 0xFF),
+                             lambda code: "; ".join(filter(None, (describe_compress(code & 0xFF),
                                                                   _DESCRIBE_STORE(code >> 8)))))

@@ -68,10 +68,17 @@ def _online(cfg: _Config):
     return [("compress_online", {"head_dim": hd, "state": cfg.state}) for hd in cfg.head_dims.get(128, ())]
 
 
+def _fused_online(cfg: _Config):
+    return [("fused_online", {"format": cfg.store_format(hd), "state": cfg.state})
+            for hd in cfg.head_dims.get(128, ()) if hd == 512]
+
+
 #: op family -> the kernels its calls reach: "plan" (CompressorPrefillPlan/CompressorDecodePlan),
 #: "compress" (compress_forward), "store" (compress_norm_rope_store), "fused" (compress_and_store),
-#: "online" (compress_forward(is_online=True), the c128 layers).
-_REACH = {"plan": _plan, "compress": _compress, "store": _store, "fused": _fused, "online": _online}
+#: "online" (compress_forward(is_online=True), the c128 layers), "fused_online"
+#: (compress_and_store(is_online=True), the c128 latent).
+_REACH = {"plan": _plan, "compress": _compress, "store": _store, "fused": _fused, "online": _online,
+          "fused_online": _fused_online}
 
 
 def _target(device, arch: Optional[str]) -> Arch:
@@ -120,7 +127,8 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
     use_fp4, bf16_store: the store formats, as passed to compress_norm_rope_store (use_fp4 for the
         indexer, bf16_store for the latent).
     ops: op families to cover: "plan", "compress", "store", "fused" (compress_and_store), "online"
-        (compress_forward(is_online=True) for the c128 head dims).
+        (compress_forward(is_online=True) for the c128 head dims), "fused_online"
+        (compress_and_store(is_online=True), the c128 latent).
     arch: build for this target instead (e.g. ``"9.0a"``): works on a machine without a GPU when
         nvcc is installed (the modules load there too, they just cannot run).
     jobs: parallel compiles (default: memory-aware, as ``python -m dsv4jit precompile``).

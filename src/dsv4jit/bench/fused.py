@@ -1,4 +1,5 @@
-"""compress_and_store (fused) against compress_forward + compress_norm_rope_store (two-step).
+"""compress_and_store (fused) against compress_forward + compress_norm_rope_store (two-step), for the
+ring compressors and the online c128 one.
 
     python -m dsv4jit.bench.fused [--json] [--only TEXT]
 
@@ -18,6 +19,7 @@ from .. import plan_layout
 from ..ops import compress_and_store, compress_forward, compress_norm_rope_store
 from ..reference import store as ref_store
 from . import compress as bench_compress
+from . import online as bench_online
 from . import timing
 
 PAGE_SIZE = {4: 64, 128: 2}
@@ -25,65 +27,72 @@ STORED_BYTES = {"v4_fp8": 584, "v4_bf16": 1024, "indexer_fp8": 132, "indexer_fp4
 
 
 class Case:
-    """A compress case (bench.compress) plus the store operands of one format."""
+    """A compress case (bench.compress, or bench.online for the online c128 compressor) plus the store
+    operands of one format."""
 
-    def __init__(self, name, ratio, fmt, seq, ext):
+    def __init__(self, name, ratio, fmt, seq, ext, online=False):
         hd = 512 if fmt.startswith("v4") else 128
+        decode = ext is None
         self.name, self.fmt = name, fmt
-        self.c = bench_compress.Case(name, ratio, hd, seq, ext, ext is None)
+        self.c = (bench_online.OnlineCase(seq, ext, decode) if online
+                  else bench_compress.Case(name, ratio, hd, seq, ext, decode))
+        self.op = dict(head_dim=hd, compress_ratio=ratio, is_online=online)
         dev = self.c.state.device
         rows = self.c.plan[1].shape[0]
         tokens = self.c.input.shape[0]
         page_size = PAGE_SIZE[ratio]
         pages = (max(rows, tokens) + page_size - 1) // page_size + 1
         self.kvcache = torch.zeros(pages, ref_store.page_bytes(fmt, page_size), dtype=torch.uint8, device=dev)
-        locs = torch.randperm(pages * page_size, device=dev)[:tokens if ext is not None else rows]
+        locs = torch.randperm(pages * page_size, device=dev)[:rows if decode else tokens]
         angles = torch.rand(max(seq) + 1, 32, device=dev) * 6.283
         self.store = dict(norm_weight=1 + 0.1 * torch.randn(hd, device=dev), norm_eps=1e-6,
                           freq_cis=torch.polar(torch.ones_like(angles), angles), out_loc=locs,
                           kvcache=self.kvcache, page_size=page_size, use_fp4=fmt == "indexer_fp4",
                           bf16_store=fmt == "v4_bf16")
-        self.bytes = self.c.bytes - self._pooled_rows() * hd * 4 + self._pooled_rows() * (STORED_BYTES[fmt] + 8)
+        pooled = self._pooled_rows(ratio)
+        self.bytes = self.c.bytes - pooled * hd * 4 + pooled * (STORED_BYTES[fmt] + 8)
 
-    def _pooled_rows(self) -> int:
+    def _pooled_rows(self, ratio: int) -> int:
         plan = self.c.plan
         if plan.is_decode:
-            return int((plan_layout.decode_decode_plan(plan.plan_d).seq_len % self.c.ratio == 0).sum())
+            return int((plan_layout.decode_decode_plan(plan.plan_d).seq_len % ratio == 0).sum())
         return int(plan.rows()[0].valid.sum())
 
     def two_step(self):
         c = self.c
-        kv = compress_forward(c.state, c.input, c.ape, c.plan, head_dim=c.hd, compress_ratio=c.ratio, out=c.out)
+        kv = compress_forward(c.state, c.input, c.ape, c.plan, out=c.out, **self.op)
         compress_norm_rope_store(kv, c.plan, **self.store)
 
     def fused(self):
         c = self.c
-        compress_and_store(c.state, c.input, c.ape, c.plan, head_dim=c.hd, compress_ratio=c.ratio, **self.store)
+        compress_and_store(c.state, c.input, c.ape, c.plan, **self.op, **self.store)
 
 
 def cases() -> list[tuple]:
-    """(name, ratio, format, seq_lens, extend_lens or None for decode)."""
+    """(name, ratio, format, seq_lens, extend_lens or None for decode, online)."""
     out = []
-    for ratio, fmt in ((4, "v4_fp8"), (4, "indexer_fp4"), (128, "v4_fp8")):
+    for ratio, fmt, online in ((4, "v4_fp8", False), (4, "indexer_fp4", False), (128, "v4_fp8", False),
+                               (128, "v4_fp8", True)):
         hd = 512 if fmt == "v4_fp8" else 128
-        tag = f"c{ratio} hd{hd} {fmt}"
+        tag = f"{'online ' if online else ''}c{ratio} hd{hd} {fmt}"
         for b in (1, 16, 64, 256):
             base = 512 if ratio == 128 else 400
-            out.append((f"decode {tag} B={b} boundary", ratio, fmt, [base + ratio * (i % 8) for i in range(b)], None))
+            out.append((f"decode {tag} B={b} boundary", ratio, fmt, [base + ratio * (i % 8) for i in range(b)], None,
+                        online))
             out.append((f"decode {tag} B={b} mixed", ratio, fmt, [base + ratio * (i % 8) + i % 2 for i in range(b)],
-                        None))
+                        None, online))
         for n in (8192, 32768):
-            out.append((f"prefill {tag} 1x{n}", ratio, fmt, [n], [n]))
+            out.append((f"prefill {tag} 1x{n}", ratio, fmt, [n], [n], online))
     return out
 
 
 def run(only: str = "") -> dict:
     copy_gbs = timing.copy_bandwidth_gbs()
     rows = []
-    for name, ratio, fmt, seq, ext in cases():
+    for name, ratio, fmt, seq, ext, online in cases():
         if only not in name:
             continue
-        case = Case(name, ratio, fmt, seq, ext)
+        case = Case(name, ratio, fmt, seq, ext, online)
         t_eager, t_graph = timing.event_us(case.two_step), timing.graph_us(case.two_step)
         f_eager, f_graph = timing.event_us(case.fused), timing.graph_us(case.fused)
         gbs = case.bytes / (min(f_eager, f_graph) * 1e-6) / 1e9

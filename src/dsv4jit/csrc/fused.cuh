@@ -3,13 +3,15 @@
 // Same arithmetic as compress_forward (output dtype = input dtype) followed by
 // compress_norm_rope_store: the caches and states are byte-identical to the two-step path.
 //
-// A pooled row is spread over the units of its channel slices (compress.cuh), and each unit
-// stores its own slice; the units of a row share only the chunk partials of the row's sum of
-// squares (store.cuh's canonical order, 32 x chunks values):
-//   c4        a warp holds one 128-channel chunk of the store layout (lane l: channels 128k + 4l..);
-//             the row's warps (4 for hd512, 1 for hd128) share partials through shared memory
-//   c128      a block holds one 64-dim tile (lane l: 2 channels); the row's 8 blocks form a
-//             thread-block cluster and share partials through distributed shared memory
+// A pooled row is spread over the units of its channel slices (compress.cuh, online.cuh), and
+// each unit stores its own slice; the units of a row share only the chunk partials of the row's
+// sum of squares (store.cuh's canonical order, 32 x chunks values):
+//   one-warp units (c4, online decode): a warp holds one 128-channel chunk of the store layout
+//             (lane l: channels 128k + 4l..); the row's warps (4 for hd512, 1 for hd128) share
+//             partials through shared memory
+//   block units (c128, online prefill): a block holds one 64-dim tile (lane l: 2 channels); the
+//             row's 8 blocks form a thread-block cluster and share partials through distributed
+//             shared memory
 // The norm weight and rope values are prefetched with cp.async as soon as the plan row is read,
 // overlapping the window loads.
 //
@@ -22,6 +24,7 @@
 #include "common/async_copy.cuh"
 #include "common/cluster.cuh"
 #include "compress.cuh"
+#include "online.cuh"
 #include "store.cuh"
 
 namespace dsv4::fused {
@@ -30,28 +33,30 @@ namespace cg = cooperative_groups;
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
+template <typename CompressParams>
 struct Params {
-  compress::Params c;
+  CompressParams c;
   store::Params s;
 };
 
-template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL>
-struct Kernels {
+/// The store step behind a pool pass whose units hold C channels per lane, kWarpsPerUnit warps
+/// each, kUnitsPerBlock units per block: its shared memory and the sink the pass emits rows into.
+template <typename InT, store::Format F, bool kPDL, int C, int kWarpsPerUnit, int kUnitsPerBlock>
+struct StoreStep {
   using L = store::Layout<F>;
-  static constexpr int kHeadDim = L::kHeadDim;
-  using K = compress::Kernels<kRatio, kHeadDim, BufferT, InT, InT, kPDL>;
   using S = store::Kernel<InT, F, kPDL>;
-  using W = typename K::W;
-  using Lane = typename K::Lane;
-  static constexpr int C = W::kLaneChannels;
-  static constexpr bool kCluster = W::kWarpsPerUnit > 1;  // c128: a row's slices are separate blocks
-  static constexpr int kRowsPerBlock = kCluster ? 1 : K::kUnitsPerBlock / W::kSlices;
+  static constexpr int kHeadDim = L::kHeadDim;
+  static constexpr int kUnitChannels = kWarpSize * C;
+  static constexpr int kSlices = kHeadDim / kUnitChannels;
+  static constexpr bool kCluster = kWarpsPerUnit > 1;  // a row's slices are separate blocks
+  static constexpr int kRowsPerBlock = kCluster ? 1 : kUnitsPerBlock / kSlices;
   static constexpr int kChunks = L::kChunks;
-  static_assert(kCluster ? W::kUnitChannels == 64 && W::kSlices <= 8
-                         : W::kUnitChannels == 128 && K::kUnitsPerBlock % W::kSlices == 0,
-                "a c4 unit holds a store chunk; a c128 unit a tile, and a row fits a portable cluster");
-  static_assert(W::kSlices == 1 || kRowsPerBlock == 1, "rows spread over warps own their block (uniform exits)");
+  static_assert(kCluster ? kUnitChannels == 64 && kSlices <= 8 && kUnitsPerBlock == 1
+                         : kUnitChannels == 128 && kUnitsPerBlock % kSlices == 0,
+                "a one-warp unit holds a store chunk; a block unit a tile, and a row fits a portable cluster");
+  static_assert(kSlices == 1 || kRowsPerBlock == 1, "rows spread over warps own their block (uniform exits)");
   static_assert(!kCluster || !L::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
+  static constexpr unsigned kClusterDim = kCluster ? kSlices : 1;
 
   struct Shared {
     float partials[kRowsPerBlock][kChunks][kWarpSize];  // [chunk][lane of the store layout]
@@ -59,36 +64,39 @@ struct Kernels {
     alignas(16) float freq[kRowsPerBlock][store::kRopeDim];
   };
 
-  /// The sink compress.cuh hands pooled rows to: every unit stores its own slice of the row.
-  struct StoreSink {
-    const Params& p;
+  /// The sink the pool passes hand pooled rows to: every unit stores its own slice of the row.
+  struct Sink {
+    const store::Params& p;
     Shared& sh;
     int64_t loc = 0, position = 0;
     bool stores = false;  // in the slice's first warp: this row goes to the cache
 
     DSV4_DEV int row_in_block() const { return kRowsPerBlock == 1 ? 0 : threadIdx.x / kWarpSize; }
 
+    template <typename Lane>
     DSV4_DEV void prepare(const Lane& lane) {
       if constexpr (kCluster) cluster_arrive_relaxed();  // phase 0: this block has started
       if (lane.warp_in_unit != 0) return;
       // Branch on plan values only: the out_loc load stays in flight, next to the window loads.
-      stores = S::select(p.s, lane.row, loc, position);
+      stores = S::select(p, lane.row, loc, position);
       if (!stores) return;
       const int r = row_in_block();
-      const InT* weight = static_cast<const InT*>(p.s.norm_weight);
+      const InT* weight = static_cast<const InT*>(p.norm_weight);
       cp_async<C * sizeof(InT)>(&sh.weight[r][lane.channel], weight + lane.channel);
-      if (rope_channel(lane) >= 0 && S::position_ok(p.s, position)) {
+      if (rope_channel(lane) >= 0 && S::position_ok(p, position)) {
         cp_async<C * sizeof(float)>(&sh.freq[r][rope_channel(lane)],
-                                    p.s.freq + position * store::kRopeDim + rope_channel(lane));
+                                    p.freq + position * store::kRopeDim + rope_channel(lane));
       }
     }
 
     /// Offset of this lane's channels in the trailing rope dims (negative: not a rope lane).
+    template <typename Lane>
     DSV4_DEV static int rope_channel(const Lane& lane) { return lane.channel - (kHeadDim - store::kRopeDim); }
 
+    template <typename Lane>
     DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
       const int l = threadIdx.x % kWarpSize, r = row_in_block();
-      const int slice = lane.channel / W::kUnitChannels;
+      const int slice = lane.channel / kUnitChannels;
       float x[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) x[c] = to_f32(from_f32<InT>(v[c]));  // as the two-step path reads it back
@@ -102,12 +110,12 @@ struct Kernels {
         if (holds && stores && (l & 1)) {
           float* dst = &sh.partials[0][slice / 2][16 * (slice % 2) + l / 2];
 #pragma unroll
-          for (int q = 0; q < W::kSlices; ++q) *cg::this_cluster().map_shared_rank(dst, q) = partial;
+          for (int q = 0; q < kSlices; ++q) *cg::this_cluster().map_shared_rank(dst, q) = partial;
         }
         cluster_arrive_release();
         if (!holds || !stores) return;  // uniform over the cluster: nobody writes into a block that left
         cluster_wait();  // phase 1: every partial has landed
-      } else if constexpr (W::kSlices > 1) {
+      } else if constexpr (kSlices > 1) {
         if (holds) sh.partials[r][slice][l] = S::chunk_partial(x);
         __syncthreads();
         if (!stores) return;
@@ -119,7 +127,7 @@ struct Kernels {
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) lane_sum = __fadd_rn(lane_sum, sh.partials[r][k][l]);
       const float total = S::row_sum(lane_sum);
-      if (!S::check(p.s, loc, position)) return;
+      if (!S::check(p, loc, position)) return;
       cp_async_wait_all();  // each lane reads only what its own cp.async brought
       float w[C], f[C];
 #pragma unroll
@@ -127,60 +135,108 @@ struct Kernels {
         w[c] = to_f32(sh.weight[r][lane.channel + c]);
         f[c] = rope_channel(lane) >= 0 ? sh.freq[r][rope_channel(lane) + c] : 0.0f;
       }
-      const float scale = S::rms_scale(p.s, total);
+      const float scale = S::rms_scale(p, total);
       if constexpr (kCluster) {
-        S::store_tile(p.s, slice, x, w, scale, f, loc, l);
+        S::store_tile(p, slice, x, w, scale, f, loc, l);
       } else {
         S::normalize_group(l + kWarpSize * slice, x, w, scale, f);
-        S::store_chunk(p.s, slice, x, loc, l);
+        S::store_chunk(p, slice, x, loc, l);
       }
     }
   };
 };
 
-template <typename FK>
-__global__ __launch_bounds__(FK::K::kThreads, FK::K::kMinBlocks) void prefill_kernel(const __grid_constant__ Params p) {
-  __shared__ typename FK::Shared sh;
-  typename FK::StoreSink sink{p, sh};
-  FK::K::prefill_pool(p.c, sink);
+/// A pool pass with the store step as its sink. Pass: the compressor's parameters (Params),
+/// the launch bounds and shape, the store step (Step) and pool(), the pass itself.
+template <typename Pass>
+__global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void pool_and_store_kernel(
+    const __grid_constant__ Params<typename Pass::Params> p) {
+  __shared__ typename Pass::Step::Shared sh;
+  typename Pass::Step::Sink sink{p.s, sh};
+  Pass::pool(p.c, sink);
 }
 
-template <typename FK>
-__global__ __launch_bounds__(FK::K::kThreads, FK::K::kMinBlocks) void decode_kernel(const __grid_constant__ Params p) {
-  __shared__ typename FK::Shared sh;
-  typename FK::StoreSink sink{p, sh};
-  FK::K::decode(p.c, sink);
-}
+/// The ring compressor's passes (compress.cuh): c4 and c128, prefill pool or decode.
+template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode>
+struct RingPass {
+  using Compressor = compress::Compress<kRatio, store::Layout<F>::kHeadDim, BufferT, InT, InT, kPDL>;
+  using K = typename Compressor::K;
+  using Params = compress::Params;
+  using Step = StoreStep<InT, F, kPDL, K::C, K::W::kWarpsPerUnit, K::kUnitsPerBlock>;
+  static constexpr int kThreads = K::kThreads, kMinBlocks = K::kMinBlocks;
 
-/// Host entry points: every tensor of both steps checked before any launch.
-template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL>
-struct CompressAndStore {
-  using FK = Kernels<kRatio, BufferT, InT, F, kPDL>;
-  using Compress = compress::Compress<kRatio, FK::kHeadDim, BufferT, InT, InT, kPDL>;
+  static LaunchShape shape(uint32_t rows) {
+    return {Compressor::blocks(rows, K::kUnitsPerBlock), kThreads, 0, Step::kClusterDim};
+  }
+  template <typename Sink>
+  static DSV4_DEV void pool(const Params& c, Sink& sink) {
+    if constexpr (kDecode) {
+      K::decode(c, sink);
+    } else {
+      K::prefill_pool(c, sink);
+    }
+  }
+};
+
+/// The online c128 compressor's passes (online.cuh), head_dim 512: prefill pool or decode.
+template <typename BufferT, store::Format F, bool kPDL, bool kDecode>
+struct OnlinePass {
+  using Compressor = online::Online<512, BufferT, kPDL>;
+  using K = typename Compressor::K;
+  using Params = online::Params;
+  using Step = std::conditional_t<kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
+                                  StoreStep<float, F, kPDL, K::kPrefillC, K::kPrefillWarps, 1>>;
+  static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
+  static constexpr int kMinBlocks = kDecode ? 0 : K::kPrefillMinBlocks;
+
+  static LaunchShape shape(uint32_t rows) {
+    return {kDecode ? Compressor::decode_blocks(rows) : rows * Compressor::kPrefillSlices, kThreads, 0,
+            Step::kClusterDim};
+  }
+  template <typename Sink>
+  static DSV4_DEV void pool(const Params& c, Sink& sink) {
+    if constexpr (kDecode) {
+      K::decode(c, sink);
+    } else {
+      K::template prefill<false>(c, sink);
+    }
+  }
+};
+
+/// Host entry points over a compressor's prefill and decode passes: every tensor of both steps is
+/// checked before any launch. The compressed rows take the store's dtype (InT).
+template <typename PrefillPass, typename DecodePass, typename InT, store::Format F, bool kPDL, int kRatio>
+struct Entry {
+  using Compressor = typename PrefillPass::Compressor;
   using Store = store::NormRopeStore<InT, F, kPDL>;
   static constexpr const char* kOp = "compress_and_store";
 
-  static LaunchShape shape(uint32_t rows) {
-    return {Compress::blocks(rows, FK::K::kUnitsPerBlock), FK::K::kThreads, 0,
-            FK::kCluster ? static_cast<unsigned>(FK::W::kSlices) : 1u};
+  /// Fills the store half of `p` for the plan rows (`rows` of them); status (checked mode):
+  /// int32[2], compress violations in word 0, store violations in word 1.
+  template <typename P>
+  static void add_store(P& p, Device& dev, Size& rows, const TensorView& plan, const TensorView& norm_weight,
+                        const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache,
+                        const Optional<TensorView>& status, int64_t page_size, bool is_decode, double eps,
+                        int64_t num_q_tokens) {
+    int32_t* words = status_words(kOp, dev, status, 2);
+    p.c.status = words;
+    p.s = Store::checked(kOp, rows, dev, plan, norm_weight, freq, out_loc, kvcache, words ? words + 1 : nullptr,
+                         page_size, kRatio, is_decode, eps, num_q_tokens);
   }
 
-  /// status (checked mode): int32[2], compress violations in word 0, store violations in word 1.
   static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
                       TensorView plan_w, TensorView norm_weight, TensorView freq, TensorView out_loc,
                       TensorView kvcache, Optional<TensorView> status, int64_t page_size, double eps,
                       int64_t num_q_tokens) {
     Device dev;
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Params p{};
-    p.c = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr, nullptr,
-                                   rows_c, rows_w);
-    int32_t* words = status_words(kOp, dev, status, 2);
-    p.c.status = words;
-    p.s = Store::checked(kOp, rows_c, dev, plan_c, norm_weight, freq, out_loc, kvcache, words ? words + 1 : nullptr,
-                         page_size, kRatio, false, eps, num_q_tokens);
-    launch(kOp, dev.dev, shape(p.c.num_rows), kPDL, prefill_kernel<FK>, p);
-    Compress::launch_write(kOp, dev, p.c, rows_w.value);
+    Params<typename PrefillPass::Params> p{};
+    p.c = Compressor::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr,
+                                     nullptr, rows_c, rows_w);
+    add_store(p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, status, page_size, false, eps,
+              num_q_tokens);
+    launch(kOp, dev.dev, PrefillPass::shape(p.c.num_rows), kPDL, pool_and_store_kernel<PrefillPass>, p);
+    Compressor::launch_write(kOp, dev, p.c, rows_w.value);
   }
 
   static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
@@ -188,14 +244,21 @@ struct CompressAndStore {
                      Optional<TensorView> status, int64_t page_size, double eps) {
     Device dev;
     Size batch{"batch_size"};
-    Params p{};
-    p.c = Compress::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, nullptr, nullptr, batch);
-    int32_t* words = status_words(kOp, dev, status, 2);
-    p.c.status = words;
-    p.s = Store::checked(kOp, batch, dev, plan_d, norm_weight, freq, out_loc, kvcache, words ? words + 1 : nullptr,
-                         page_size, kRatio, true, eps, -1);
-    launch(kOp, dev.dev, shape(p.c.num_rows), kPDL, decode_kernel<FK>, p);
+    Params<typename DecodePass::Params> p{};
+    p.c = Compressor::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, nullptr, nullptr, batch);
+    add_store(p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, status, page_size, true, eps, -1);
+    launch(kOp, dev.dev, DecodePass::shape(p.c.num_rows), kPDL, pool_and_store_kernel<DecodePass>, p);
   }
 };
+
+/// compress_and_store on the state ring (c4, c128).
+template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL>
+struct CompressAndStore : Entry<RingPass<kRatio, BufferT, InT, F, kPDL, false>, RingPass<kRatio, BufferT, InT, F, kPDL, true>,
+                                InT, F, kPDL, kRatio> {};
+
+/// compress_and_store(is_online=True): the online c128 state rows, fp32 rows, V4 formats.
+template <typename BufferT, store::Format F, bool kPDL>
+struct OnlineCompressAndStore : Entry<OnlinePass<BufferT, F, kPDL, false>, OnlinePass<BufferT, F, kPDL, true>, float,
+                                      F, kPDL, 128> {};
 
 }  // namespace dsv4::fused

@@ -9,9 +9,11 @@
 //            zero their output row (Decision 3).
 //   prefill: unit = (segment row, 64-channel slice), kWarps warps splitting the segment's (up to
 //            128) tokens 8 each; per-warp partials merge in shared memory, then into the stored
-//            state when the segment continues a chunk. Two launches in stream order: the compress
-//            pass (plan_c, writes output rows) reads stored states before the write pass (plan_w)
+//            state when the segment continues a chunk. Two launches in stream order: the pool
+//            pass (plan_c, emits output rows) reads stored states before the write pass (plan_w)
 //            replaces them.
+// Emitted rows go to a sink (prepare() once the row is known valid, emit() by every thread of the
+// unit): the output rows here, the store step in the fused kernel (fused.cuh).
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -47,6 +49,7 @@ struct Params {
   const float* ape;     // [128, hd]
   float* out;           // [rows of plan_c or plan_d, hd]
   const void* plan;     // CompressPlan segment rows (prefill passes) or DecodePlan rows
+  const void* plan_w;   // prefill: the write pass's segment rows
   int64_t num_state_rows;
   int64_t num_input_rows;
   uint32_t num_rows;    // rows of `plan`
@@ -110,10 +113,20 @@ struct Kernels {
     store_vec(dst + 2 * kHeadDim, k);
   }
 
-  template <int C>
-  static DSV4_DEV void store_out(const Params& p, uint32_t row, int channel, const Vec<float, C>& v) {
-    store_vec(p.out + uint64_t{row} * kHeadDim + channel, v);
-  }
+  /// Where emitted rows go in compress_forward: row `lane.row` of `out`.
+  struct OutputRows {
+    const Params& p;
+    template <typename Lane>
+    DSV4_DEV void prepare(const Lane&) {}
+    template <typename Lane, int C>
+    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
+      if (!holds) return;
+      Vec<float, C> out;
+#pragma unroll
+      for (int c = 0; c < C; ++c) out[c] = v[c];
+      store_vec(p.out + uint64_t{lane.row} * kHeadDim + lane.channel, out);
+    }
+  };
 
   /// kv and z = score + ape[offset] of one input token.
   template <int C>
@@ -132,7 +145,8 @@ struct Kernels {
   static constexpr int kDecodeThreads = kDecodeUnitsPerBlock * kWarpSize;
   using DecodeLane = Lane<kDecodeC, 1>;
 
-  static DSV4_DEV void decode(const Params& p) {
+  template <typename Sink>
+  static DSV4_DEV void decode(const Params& p, Sink& sink) {
     constexpr int C = kDecodeC;
     const DecodeLane lane = DecodeLane::of(kDecodeUnitsPerBlock);
     pdl_wait_upstream<kPDL>();  // plans and inputs may come from the kernels just before
@@ -141,9 +155,8 @@ struct Kernels {
     const int offset = static_cast<int>((plan.seq_len - 1) % kChunk);
     const bool load = offset != 0, emit = offset == kChunk - 1;
     const bool ok = (!load || state_row_ok(p, plan.read_page_0)) && (emit || state_row_ok(p, plan.write_loc));
-    Vec<float, C> out;
-#pragma unroll
-    for (int c = 0; c < C; ++c) out[c] = 0.0f;
+    sink.prepare(lane);
+    float out[C] = {};  // non-emitting rows are zero-filled
     if (ok) {
       SoftmaxPartial<C> token;
       load_token<C>(p, lane.row, offset, lane.channel, token.acc, token.max);
@@ -166,7 +179,7 @@ struct Kernels {
     } else if (lane.channel == 0) {
       report(p, kStateRowOutOfRange);
     }
-    store_out(p, lane.row, lane.channel, out);  // non-emitting rows are zero-filled
+    sink.emit(lane, true, out);
   }
 
   // ---- prefill --------------------------------------------------------------------------------
@@ -176,11 +189,13 @@ struct Kernels {
   static constexpr int kTokensPerWarp = 8;
   static constexpr int kPrefillWarps = kChunk / kTokensPerWarp;
   static constexpr int kPrefillThreads = kPrefillWarps * kWarpSize;
+  static constexpr int kPrefillMinBlocks = 2;
   using PrefillLane = Lane<kPrefillC, kPrefillWarps>;
 
-  /// One segment row per unit; kStore: write pass (state -> read_page_0), else compress pass (output row).
-  template <bool kStore>
-  static DSV4_DEV void prefill(const Params& p) {
+  /// One segment row per unit; kStore: write pass (state -> read_page_0), else pool pass (emits the
+  /// pooled row to `sink`).
+  template <bool kStore, typename Sink>
+  static DSV4_DEV void prefill(const Params& p, Sink& sink) {
     constexpr int C = kPrefillC;
     const PrefillLane lane = PrefillLane::of(1);
     pdl_wait_upstream<kPDL>();  // write pass: the compress pass has read every stored state
@@ -202,6 +217,7 @@ struct Kernels {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, bad);
       return;
     }
+    if constexpr (!kStore) sink.prepare(lane);
     const bool lead = lane.warp_in_unit == 0;
     SoftmaxPartial<C> stored;
     if (lead && merge) stored = load_state<C>(p, load_row, lane.channel);  // in flight with the tokens
@@ -222,95 +238,129 @@ struct Kernels {
     const int lane_id = threadIdx.x % kWarpSize;
     parts[lane.warp_in_unit][lane_id] = part;
     __syncthreads();
-    if (!lead) return;
+    if (lead) {
 #pragma unroll
-    for (int w = 1; w < kPrefillWarps; ++w) merge_into(part, parts[w][lane_id]);
-    if (merge) {  // the stored partial covers the chunk's earlier tokens
-      merge_into(stored, part);
-      part = stored;
+      for (int w = 1; w < kPrefillWarps; ++w) merge_into(part, parts[w][lane_id]);
+      if (merge) {  // the stored partial covers the chunk's earlier tokens
+        merge_into(stored, part);
+        part = stored;
+      }
     }
     if constexpr (kStore) {
-      store_state(p, plan.read_page_0, lane.channel, part);
+      if (lead) store_state(p, plan.read_page_0, lane.channel, part);
     } else {
-      Vec<float, C> out;
+      float out[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) out[c] = pooled_value(part, c);
-      store_out(p, lane.row, lane.channel, out);
+      sink.emit(lane, lead, out);
     }
   }
 };
 
 template <typename K>
 __global__ __launch_bounds__(K::kDecodeThreads) void decode_kernel(const __grid_constant__ Params p) {
-  K::decode(p);
+  typename K::OutputRows sink{p};
+  K::decode(p, sink);
 }
 
 template <typename K, bool kStore>
-__global__ __launch_bounds__(K::kPrefillThreads, 2) void prefill_kernel(const __grid_constant__ Params p) {
-  K::template prefill<kStore>(p);
+__global__ __launch_bounds__(K::kPrefillThreads, K::kPrefillMinBlocks) void prefill_kernel(const __grid_constant__ Params p) {
+  typename K::OutputRows sink{p};  // the pool pass's (the write pass emits nothing)
+  K::template prefill<kStore>(p, sink);
 }
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kHeadDim, typename BufferT, bool kPDL>
 struct Online {
   using K = Kernels<kHeadDim, BufferT, kPDL>;
+  static constexpr const char* kOp = "compress_forward";
+  static constexpr int kPrefillSlices = K::PrefillLane::kSlices;
 
-  static Params common(const char* op, const TensorView& state, const TensorView& input, const TensorView& ape,
-                       const TensorView& out, const Optional<TensorView>& status, Size& input_rows, Size& out_rows,
-                       Device& dev) {
+  /// Checks the state, input and ape tensors (and `out`, when the call has one) and fills the
+  /// parameters they determine; `input_rows` and `out_rows` bind the row counts.
+  static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
+                       const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
+                       Size& out_rows) {
     Size state_rows{"num_state_rows"};
     Check(op, "kv_score_buffer", state).shape({state_rows, 1, 3 * kHeadDim}).dtype(DTypeInfo<BufferT>::dtype)
         .cuda(dev).contiguous().aligned();
     Check(op, "kv_score_input", input).shape({input_rows, 2 * kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous()
         .aligned();
     Check(op, "ape", ape).shape({kChunk, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
-    Check(op, "out", out).shape({out_rows, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
     Params p{};
+    if (out != nullptr) {
+      Check(op, "out", *out).shape({out_rows, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+      p.out = static_cast<float*>(out->data_ptr());
+    }
     p.state = state.data_ptr();
     p.input = static_cast<const float*>(input.data_ptr());
     p.ape = static_cast<const float*>(ape.data_ptr());
-    p.out = static_cast<float*>(out.data_ptr());
     p.num_state_rows = state_rows.value;
     p.num_input_rows = input_rows.value;
-    p.status = status_words(op, dev, status);
+    p.status = status;
     return p;
   }
 
-  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
-                      TensorView plan_w, TensorView out, Optional<TensorView> status) {
-    const char* op = "compress_forward";
-    Size input_rows{"num_q_tokens"}, rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Device dev;
-    Params p = common(op, kv_score_buffer, kv_score_input, ape, out, status, input_rows, rows_c, dev);
+  /// Checked parameters of a prefill call: the pool pass over plan_c (num_rows), plan_w in
+  /// p.plan_w (its row count in `rows_w`).
+  static Params prefill_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
+                               const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w,
+                               const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
+    Size input_rows{"num_q_tokens"};
+    Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
     Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
         .contiguous().aligned();
     Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
         .contiguous().aligned();
     expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
            rows_w.value);
-    constexpr int kSlices = K::PrefillLane::kSlices;
     p.plan = plan_c.data_ptr();
+    p.plan_w = plan_w.data_ptr();
     p.num_rows = static_cast<uint32_t>(rows_c.value);
-    launch(op, dev.dev, {static_cast<unsigned>(p.num_rows * kSlices), K::kPrefillThreads}, kPDL,
-           prefill_kernel<K, false>, p);
-    p.plan = plan_w.data_ptr();
-    p.num_rows = static_cast<uint32_t>(rows_w.value);
-    launch(op, dev.dev, {static_cast<unsigned>(p.num_rows * kSlices), K::kPrefillThreads}, kPDL,
-           prefill_kernel<K, true>, p);
+    return p;
   }
 
-  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
-                     TensorView out, Optional<TensorView> status) {
-    const char* op = "compress_forward";
-    Size batch{"batch_size"};
-    Device dev;
-    Params p = common(op, kv_score_buffer, kv_score_input, ape, out, status, batch, batch, dev);
+  /// Checked parameters of a decode call (one plan row and one input row per request).
+  static Params decode_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
+                              const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
+                              Size& batch) {
+    Params p = common(op, dev, state, input, ape, out, status, batch, batch);
     Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(dev)
         .contiguous().aligned();
     p.plan = plan_d.data_ptr();
     p.num_rows = static_cast<uint32_t>(batch.value);
-    const uint64_t units = uint64_t{p.num_rows} * K::DecodeLane::kSlices;
-    launch(op, dev.dev, {div_ceil(units, K::kDecodeUnitsPerBlock), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
+    return p;
+  }
+
+  static unsigned decode_blocks(uint32_t rows) {
+    return div_ceil(uint64_t{rows} * K::DecodeLane::kSlices, K::kDecodeUnitsPerBlock);
+  }
+
+  /// The write pass over plan_w (after the pool pass, in stream order).
+  static void launch_write(const char* op, const Device& dev, Params p, int64_t rows_w) {
+    p.plan = p.plan_w;
+    p.num_rows = static_cast<uint32_t>(rows_w);
+    launch(op, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, true>, p);
+  }
+
+  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
+                      TensorView plan_w, TensorView out, Optional<TensorView> status) {
+    Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+    Device dev;
+    Params p = prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
+                              rows_w);
+    p.status = status_words(kOp, dev, status);
+    launch(kOp, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, false>, p);
+    launch_write(kOp, dev, p, rows_w.value);
+  }
+
+  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
+                     TensorView out, Optional<TensorView> status) {
+    Size batch{"batch_size"};
+    Device dev;
+    Params p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
+    p.status = status_words(kOp, dev, status);
+    launch(kOp, dev.dev, {decode_blocks(p.num_rows), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
   }
 };
 

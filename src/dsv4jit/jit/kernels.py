@@ -67,8 +67,9 @@ COMPRESS_C4 = _compress(4, (128, 256, 512), (512, 128))
 COMPRESS_C128 = _compress(128, (64, 128, 256, 512), (512,))
 
 STORE_FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
-STORE_FORMAT = Param("format", "enum", STORE_FORMATS, tuple(f"dsv4::store::Format::k{n}" for n in
-                                                          ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4")))
+_FORMAT_CPP = tuple(f"dsv4::store::Format::k{n}" for n in ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4"))
+STORE_FORMAT = Param("format", "enum", STORE_FORMATS, _FORMAT_CPP)
+V4_FORMAT = Param("format", "enum", STORE_FORMATS[:2], _FORMAT_CPP[:2])  # the latent formats (head_dim 512)
 STORE = KernelSpec(
     name="store",
     header="store.cuh",
@@ -115,5 +116,15 @@ COMPRESS_ONLINE = KernelSpec(
     doc="online c128: one running softmax state row per request (prefill segments and decode steps)",
 )
 
-SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE, FUSED, COMPAT_C4)}
-SPECS[COMPRESS_ONLINE.name] = COMPRESS_ONLINE
+_FUSED_ONLINE_ENTRY = "dsv4::fused::OnlineCompressAndStore<{state}, {format}, {pdl}>"
+FUSED_ONLINE = KernelSpec(
+    name="fused_online",
+    header="fused.cuh",
+    params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
+    exports={"prefill": _FUSED_ONLINE_ENTRY + "::prefill", "decode": _FUSED_ONLINE_ENTRY + "::decode"},
+    serving=tuple({"format": "v4_fp8", "state": st, "pdl": True} for st in ("fp32", "bf16")),
+    doc="online c128 + RMSNorm + RoPE + quantize + paged store in one kernel (head_dim 512, fp32 rows)",
+)
+
+SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE,
+                                                    FUSED, COMPAT_C4, COMPRESS_ONLINE, FUSED_ONLINE)}
