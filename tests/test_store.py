@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import dsv4jit
-from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_norm_rope_store
+from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_norm_rope_store, runtime
 from dsv4jit.plan_layout import (
     INVALID_U32,
     decode_compress_plan,
@@ -45,6 +45,7 @@ from dsv4jit.plan_layout import (
     invalid_compress_rows,
 )
 from dsv4jit.reference import store as ref_store
+from dsv4jit.reference.quant import fp4_encode
 from pool_utils import SWA_PAGE, random_batch, random_pool
 
 POISON = 0xAB
@@ -921,3 +922,22 @@ def test_checks_reject_wrong_stores(corruption, device):
     assert not torch.equal(bad, got)
     with pytest.raises(AssertionError):
         check_store(case, bad, expect)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
+    """The kernels' e2m1 codec (from 1 up it rounds the fp32 mantissa bits) against
+    reference.quant.fp4_encode (the threshold rule of §F.5) on all 2^32 fp32 bit patterns:
+    ties, subnormals, ±0, infinities and NaNs included."""
+    dev = torch.device(device, torch.cuda.current_device())
+    codes = runtime.function("store", "fp4_codes", dev, dtype="fp32", format="indexer_fp4")
+    chunk = 1 << 28
+    out = torch.full((chunk,), 0xFF, dtype=torch.uint8, device=dev)
+    for start in range(0, 1 << 32, chunk):
+        bits = torch.arange(start, start + chunk, dtype=torch.int64, device=dev)
+        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+        codes(x, out)
+        expected = fp4_encode(x)
+        bad = (out != expected).nonzero()
+        assert bad.numel() == 0, (f"{bad.numel()} codes differ from {start:#010x} on, first at bit pattern "
+                                  f"{start + int(bad[0]):#010x}: {int(out[bad[0]])} != {int(expected[bad[0]])}")

@@ -13,6 +13,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "common/launch.cuh"
@@ -440,6 +441,24 @@ struct Kernel {
 template <typename K>
 __global__ __launch_bounds__(K::kWarps * kWarpSize) void store_kernel(const __grid_constant__ Params p) {
   K::run(p);
+}
+
+__global__ void fp4_codes_kernel(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = static_cast<uint8_t>(fp4_code(x[i]));
+  }
+}
+
+/// The e2m1 codes the fp4 store writes for already-scaled values: x fp32 [n] -> out u8 [n] (for
+/// checking the codec against the reference rule on any set of values).
+inline void fp4_codes(TensorView x, TensorView out) {
+  const char* op = "store.fp4_codes";
+  Size n{"n"};
+  Device dev;
+  Check(op, "x", x).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
+  Check(op, "out", out).shape({n}).dtype(dl::kU8).cuda(dev).contiguous();
+  launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, fp4_codes_kernel,
+         static_cast<const float*>(x.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), n.value);
 }
 
 template <typename DType, Format F, bool kPDL>

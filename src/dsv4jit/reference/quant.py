@@ -124,7 +124,7 @@ def fp4_encode(u: torch.Tensor) -> torch.Tensor:
     """
     u = u.to(torch.float32)
     mag = u.abs().clamp(max=FP4_MAX)
-    idx = torch.zeros(u.shape, dtype=torch.int64)
+    idx = torch.zeros(u.shape, dtype=torch.int64, device=u.device)
     for t in FP4_THRESHOLDS:
         idx += (mag > t).to(torch.int64)
     negative = (u < 0) & (idx != 0)

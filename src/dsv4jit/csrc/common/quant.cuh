@@ -21,12 +21,13 @@ DSV4_DEV float exp2_int(int k) { return __uint_as_float(static_cast<uint32_t>(k 
 DSV4_DEV uint8_t e4m3_code(float x) { return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); }
 
 /// e2m1 code by thresholds: magnitude index = #{t : |u| > t} for t in 0.25, 0.75, 1.25, 1.75, 2.5,
-/// 3.5, 5 (ties round toward the smaller magnitude), sign bit only for a nonzero magnitude (no -0).
-/// From 1 up, e2m1 is fp32 with one mantissa bit: rounding the mantissa to that bit with ties down
-/// (add just under half of it, truncate) gives exponent and bit, and 1.0 (2^0, bit 0) is index 2.
+/// 3.5, 5 (ties round toward the smaller magnitude; NaN: none), sign bit only for a nonzero
+/// magnitude (no -0). From 1 up, e2m1 is fp32 with one mantissa bit: rounding the mantissa to that
+/// bit with ties down (add just under half of it, truncate) gives exponent and bit, and 1.0 (2^0,
+/// bit 0) is index 2.
 DSV4_DEV uint32_t fp4_code(float u) {
-  const float a = fminf(fabsf(u), 6.0f);
-  const uint32_t idx = a >= 1.0f ? ((__float_as_uint(a) + 0x1FFFFFu) >> 22) - (127u << 1) + 2u
+  const float a = fabsf(u);
+  const uint32_t idx = a >= 1.0f ? ((__float_as_uint(fminf(a, 6.0f)) + 0x1FFFFFu) >> 22) - (127u << 1) + 2u
                                  : (a > 0.25f) + (a > 0.75f);
   return (u < 0.0f && idx != 0) ? (idx | 8u) : idx;
 }
