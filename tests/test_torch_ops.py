@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compressor_step import (RING, Step, assert_same_result, fused_pipeline, make_step, pipeline, planner_inputs,
                              run)
+import dsv4jit.online  # noqa: F401  (registers the online custom ops)
 from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_forward, compress_norm_rope_store
+from dsv4jit.reference import store as ref_store
 from pool_utils import SWA_PAGE
 
 HAS_CUDA = torch.cuda.is_available()
@@ -141,6 +143,38 @@ def test_opcheck(decode):
     torch.library.opcheck(torch.ops.dsv4jit.compress_and_store.default,
                           (step.state, step.x, step.ape, step.plan[1], plan_w, step.weight, freq,
                            step.out_loc, step.kvcache, "indexer_fp8", step.page_size, 128, 4, decode, 1e-6, num_q))
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_opcheck_online(decode):
+    """opcheck of the online c128 ops (compress_forward and compress_and_store with is_online=True) on a
+    step whose requests cross a 128-token chunk (so rows are emitted and stored)."""
+    gen = torch.Generator().manual_seed(3)
+    hd, slots = 512, 6
+    rpi = torch.tensor([4, 1, 2])
+    r2t = torch.zeros(slots, 4, dtype=torch.int32)
+    state = torch.cat([torch.randn(slots, 1, hd, generator=gen), 1 + torch.rand(slots, 1, hd, generator=gen),
+                       torch.randn(slots, 1, hd, generator=gen)], dim=-1)
+    if decode:
+        plan = CompressorDecodePlan.generate_online(torch.tensor([128, 300, 256]), rpi, r2t)
+    else:
+        ext = torch.tensor([130, 5, 128])
+        plan = CompressorPrefillPlan.generate_online(torch.tensor([130, 260, 256]), ext, rpi, r2t, int(ext.sum()))
+    plan_w = None if decode else plan.plan_w
+    x = torch.randn(3 if decode else plan.num_q_tokens, 2 * hd, generator=gen)
+    ape = torch.randn(128, hd, generator=gen)
+    out = torch.empty(plan[1].shape[0], hd)
+    torch.library.opcheck(torch.ops.dsv4jit.compress_online.default, (state, x, ape, plan[1], plan_w, out, hd))
+    angles = torch.rand(512, 32, generator=gen)
+    freq = torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(1)
+    out_loc = torch.randperm(x.shape[0], generator=gen)
+    kvcache = torch.zeros(x.shape[0] // 2 + 1, ref_store.page_bytes("v4_fp8", 2), dtype=torch.uint8)
+    num_q = -1 if decode else plan.num_q_tokens
+    args = (state, x, ape, plan[1], plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, "v4_fp8", 2,
+            1e-6, num_q)
+    torch.library.opcheck(torch.ops.dsv4jit.compress_and_store_online.default, args)
+    torch.ops.dsv4jit.compress_and_store_online.default(*args)
+    assert kvcache.any(), "the step stored nothing: a vacuous test"
 
 
 def test_dispatch_modes_see_the_custom_ops():
