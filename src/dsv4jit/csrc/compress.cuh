@@ -77,7 +77,7 @@ struct Params {
   int64_t num_input_rows;
   uint32_t num_rows;    // rows of `plan` (pool pass / decode) or of plan_w (write pass)
   int32_t* status;      // checked mode: OR of StatusBit, else nullptr
-  bool after_pool;      // write pass: a pool pass runs just before it (it may load before waiting)
+  bool after_pool;      // write pass: a pool pass runs just before it (the pass loads before waiting)
 };
 
 template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
@@ -199,43 +199,31 @@ struct Kernels {
   }
 
   /// Prefill write pass: copy each plan_w row's input token into its state row (cast to BufferT).
-  /// The plan row and the token are inputs of the step, complete once the pool pass has begun (it
-  /// waited for them): after a pool pass they load before this pass waits for it (through L2, which
-  /// holds them), so only the stores wait. Every thread waits before it leaves, so a kernel that
-  /// waits for this one also waits for the pool pass.
+  /// The plan rows and tokens are inputs of the step, complete before the pool pass began (it waited
+  /// for them) and written by no kernel running now: after a pool pass they load before this pass
+  /// waits for it, and only the stores (which may overwrite rows it reads) follow it.
   static DSV4_DEV void prefill_write(const Params& p) {
     const Lane lane = Lane::of(4, 1);  // one warp per (row, slice) here
-    WritePlan w = WritePlan::invalid();
-    Vec<InT, C> token[W::kGroups];
-    bool in_range = false;
-    auto load = [&] {
-      if (lane.row >= p.num_rows) return;
-      const int2 raw = __ldcg(reinterpret_cast<const int2*>(p.plan_w + lane.row));
-      memcpy(&w, &raw, sizeof(w));
-      in_range = w.ragged_id < p.num_input_rows && w.write_loc >= 0 && w.write_loc < p.num_pages * kRatio;
-      if (in_range) {
-        load_token<true>(static_cast<const InT*>(p.input) + int64_t{w.ragged_id} * W::kRowWidth, lane.channel, token);
-      }
-    };
-    if (p.after_pool) load();
-    pdl_wait_upstream<kPDL>();  // the pool pass has read the ring
-    if (!p.after_pool) load();
+    WaitUpstreamOnExit<kPDL> wait_on_exit{p.after_pool};
+    if (!p.after_pool) pdl_wait_upstream<kPDL>();
+    if (lane.row >= p.num_rows) return;
+    const WritePlan w = p.plan_w[lane.row];
     if (w.is_invalid()) return;
-    if (!in_range) {
+    if (w.ragged_id >= p.num_input_rows || w.write_loc < 0 || w.write_loc >= p.num_pages * kRatio) {
       if (lane.channel == 0) report(p, w.ragged_id >= p.num_input_rows ? kRaggedRowOutOfRange : kWriteLocOutOfRange);
       return;
     }
+    Vec<InT, C> token[W::kGroups];
+    load_token(static_cast<const InT*>(p.input) + int64_t{w.ragged_id} * W::kRowWidth, lane.channel, token);
+    pdl_wait_upstream<kPDL>();  // the pool pass has read the ring
     store_state_row(p, token, w.write_loc, lane.channel);
     pdl_launch_dependents<kPDL>();
   }
 
-  /// This lane's channels of every column group of a token row (kL2Only: ld.cg).
-  template <bool kL2Only>
+  /// This lane's channels of every column group of a token row.
   static DSV4_DEV void load_token(const InT* src, int channel, Vec<InT, C> (&v)[W::kGroups]) {
 #pragma unroll
-    for (int g = 0; g < W::kGroups; ++g) {
-      v[g] = kL2Only ? load_vec_cg<C>(src + g * kHeadDim + channel) : load_vec<C>(src + g * kHeadDim + channel);
-    }
+    for (int g = 0; g < W::kGroups; ++g) v[g] = load_vec<C>(src + g * kHeadDim + channel);
   }
 
   /// Stores a token's channels (load_token) into state row `row`, cast to BufferT.
@@ -248,7 +236,7 @@ struct Kernels {
   /// Stores this lane's channels of every column group of a token row into state row `row`.
   static DSV4_DEV void store_token(const Params& p, const InT* src, int64_t row, int channel) {
     Vec<InT, C> v[W::kGroups];
-    load_token<false>(src, channel, v);
+    load_token(src, channel, v);
     store_state_row(p, v, row, channel);
   }
 

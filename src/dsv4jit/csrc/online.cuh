@@ -50,6 +50,7 @@ struct Params {
   float* out;           // [rows of plan_c or plan_d, hd]
   const void* plan;     // CompressPlan segment rows (prefill passes) or DecodePlan rows
   const void* plan_w;   // prefill: the write pass's segment rows
+  bool after_pool;      // write pass: a pool pass runs just before it (the pass loads before waiting)
   int64_t num_state_rows;
   int64_t num_input_rows;
   uint32_t num_rows;    // rows of `plan`
@@ -193,12 +194,17 @@ struct Kernels {
   using PrefillLane = Lane<kPrefillC, kPrefillWarps>;
 
   /// One segment row per unit; kStore: write pass (state -> read_page_0), else pool pass (emits the
-  /// pooled row to `sink`).
+  /// pooled row to `sink`). Everything the write pass reads (plan rows, tokens, stored states) is an
+  /// input of the step, complete before the pool pass began and written by no kernel running now:
+  /// after a pool pass it loads and pools before waiting for it, and only the state store (a row the
+  /// pool pass may read) follows it.
   template <bool kStore, typename Sink>
   static DSV4_DEV void prefill(const Params& p, Sink& sink) {
     constexpr int C = kPrefillC;
     const PrefillLane lane = PrefillLane::of(1);
-    pdl_wait_upstream<kPDL>();  // write pass: the compress pass has read every stored state
+    const bool early = kStore && p.after_pool;
+    WaitUpstreamOnExit<kPDL> wait_on_exit{early};
+    if (!early) pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
     const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
     if (plan.is_invalid()) return;
@@ -247,6 +253,7 @@ struct Kernels {
       }
     }
     if constexpr (kStore) {
+      pdl_wait_upstream<kPDL>();  // the pool pass has read every stored state
       if (lead) store_state(p, plan.read_page_0, lane.channel, part);
     } else {
       float out[C];
@@ -338,6 +345,7 @@ struct Online {
 
   /// The write pass over plan_w (after the pool pass, in stream order).
   static void launch_write(const char* op, const Device& dev, Params p, int64_t rows_w) {
+    p.after_pool = p.num_rows > 0;  // else no launch: the write pass follows whatever came before
     p.plan = p.plan_w;
     p.num_rows = static_cast<uint32_t>(rows_w);
     launch(op, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, true>, p);

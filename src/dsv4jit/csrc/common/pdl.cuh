@@ -14,6 +14,17 @@ DSV4_DEV void pdl_wait_upstream() {
 #endif
 }
 
+/// A write pass that loads before it waits for the pass just before it (whose inputs it shares)
+/// must still wait before it exits, so that a kernel waiting for it also waits for that pass: the
+/// wait runs when this guard leaves scope (waiting twice costs nothing).
+template <bool kPDL>
+struct WaitUpstreamOnExit {
+  bool armed;
+  DSV4_DEV ~WaitUpstreamOnExit() {
+    if (armed) pdl_wait_upstream<kPDL>();
+  }
+};
+
 template <bool kPDL>
 DSV4_DEV void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

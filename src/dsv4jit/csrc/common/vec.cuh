@@ -1,8 +1,6 @@
 // Aligned vectors (up to 16 bytes): the unit of every global load and store in our kernels.
 #pragma once
 
-#include <type_traits>
-
 #include "types.cuh"
 
 namespace dsv4 {
@@ -17,18 +15,6 @@ struct alignas(sizeof(T) * N) Vec {
 template <int N, typename T>
 DSV4_DEV Vec<T, N> load_vec(const T* ptr) {
   return *reinterpret_cast<const Vec<T, N>*>(ptr);
-}
-
-/// load_vec through L2 only (ld.global.cg), never a line this SM's L1 may hold from before.
-template <int N, typename T>
-DSV4_DEV Vec<T, N> load_vec_cg(const T* ptr) {
-  constexpr int kBytes = sizeof(T) * N;
-  static_assert(kBytes == 16 || kBytes == 8 || kBytes == 4, "16-, 8- or 4-byte vectors");
-  using Raw = std::conditional_t<kBytes == 16, int4, std::conditional_t<kBytes == 8, int2, int>>;
-  const Raw raw = __ldcg(reinterpret_cast<const Raw*>(ptr));
-  Vec<T, N> out;
-  memcpy(&out, &raw, kBytes);
-  return out;
 }
 
 template <int N, typename T>
