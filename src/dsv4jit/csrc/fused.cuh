@@ -15,8 +15,8 @@
 // The norm weight and rope values are prefetched with cp.async as soon as the plan row is read,
 // overlapping the window loads.
 //
-// Prefill is this kernel followed by the compress write pass in stream order: with a request
-// ring, this step's state writes may alias ring rows that the pooling still reads.
+// Prefill is this kernel followed by the compressor's write pass in stream order: this step's
+// state writes may alias rows that the pooling still reads (a request ring, an online state row).
 #pragma once
 
 #include <cooperative_groups.h>
