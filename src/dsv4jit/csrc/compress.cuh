@@ -18,6 +18,7 @@
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
+#include "common/plan_check.h"
 #include "common/plan_structs.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
@@ -364,14 +365,9 @@ struct Compress {
                                const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
     Size input_rows{"num_q_tokens"};
     Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
-        .contiguous().aligned();
-    Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(WritePlan)}}).dtype(dl::kU8).cuda(dev)
-        .contiguous().aligned(8);
-    expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
-           rows_w.value);
-    p.plan = plan_c.data_ptr();
-    p.plan_w = static_cast<const WritePlan*>(plan_w.data_ptr());
+    const auto [c, w] = prefill_plans<WritePlan>(op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
+    p.plan = c;
+    p.plan_w = static_cast<const WritePlan*>(w);
     p.num_rows = static_cast<uint32_t>(rows_c.value);
     return p;
   }
@@ -381,9 +377,7 @@ struct Compress {
                               const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
                               Size& batch) {
     Params p = common(op, dev, state, input, ape, out, status, batch, batch);
-    Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(dev).contiguous()
-        .aligned();
-    p.plan = plan_d.data_ptr();
+    p.plan = plan_rows<DecodePlan>(op, "plan[1]", dev, plan_d, batch);
     p.num_rows = static_cast<uint32_t>(batch.value);
     return p;
   }

@@ -22,6 +22,7 @@
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
+#include "common/plan_check.h"
 #include "common/plan_structs.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
@@ -315,14 +316,9 @@ struct Online {
                                const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
     Size input_rows{"num_q_tokens"};
     Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    Check(op, "plan[1]", plan_c).shape({rows_c, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
-        .contiguous().aligned();
-    Check(op, "plan[2]", plan_w).shape({rows_w, int64_t{sizeof(CompressPlan)}}).dtype(dl::kU8).cuda(dev)
-        .contiguous().aligned();
-    expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
-           rows_w.value);
-    p.plan = plan_c.data_ptr();
-    p.plan_w = plan_w.data_ptr();
+    const auto [c, w] = prefill_plans<CompressPlan>(op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
+    p.plan = c;
+    p.plan_w = w;
     p.num_rows = static_cast<uint32_t>(rows_c.value);
     return p;
   }
@@ -332,9 +328,7 @@ struct Online {
                               const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
                               Size& batch) {
     Params p = common(op, dev, state, input, ape, out, status, batch, batch);
-    Check(op, "plan[1]", plan_d).shape({batch, int64_t{sizeof(DecodePlan)}}).dtype(dl::kU8).cuda(dev)
-        .contiguous().aligned();
-    p.plan = plan_d.data_ptr();
+    p.plan = plan_rows<DecodePlan>(op, "plan[1]", dev, plan_d, batch);
     p.num_rows = static_cast<uint32_t>(batch.value);
     return p;
   }
