@@ -102,12 +102,12 @@ def test_write_report_writes_md_csv_and_one_png_per_bandwidth_bench(tmp_path):
 def test_rows_of_bandwidth_report_and_dict_reports():
     bw = BandwidthReport.__new__(BandwidthReport)   # skip the GPU measurements of __init__
     bw.rows = [{"case": "a", "bytes": 10, "eager_us": 3.0, "graph_us": 2.0, "over_empty_us": 1.0, "gbs": 5.0,
-                "pct_copy": 0.1},
+                "pct_copy": 0.1, "same_size_copy_us": 1.2, "pct_same_size_copy": 60.0},
                {"case": "b", "bytes": 10, "eager_us": 1.5, "graph_us": 2.0, "over_empty_us": 1.0, "gbs": 6.6,
                 "pct_copy": 0.2}]
     a, b = report.rows_of("compress", bw)
     assert (a.us, a.timing, b.us, b.timing) == (2.0, "graph", 1.5, "eager")
-    assert a.times == {"eager": 3.0, "graph": 2.0, "over_empty": 1.0} and a.pct_copy == 0.1
+    assert a.times == {"eager": 3.0, "graph": 2.0, "over_empty": 1.0, "same_size_copy": 1.2} and a.pct_copy == 0.1
     (row,) = report.rows_of("fused", {"rows": [{"case": "c", "bytes": 7, "two_step_graph_us": 4.0,
                                                 "fused_eager_us": 3.0, "fused_graph_us": 2.5, "fused_gbs": 9.0,
                                                 "fused_pct_copy": 1.5}]})

@@ -148,14 +148,38 @@ def test_graph_capture_and_replay_with_new_lengths():
 
 
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
-@pytest.mark.parametrize("lengths_on_gpu", [False, True])
-def test_decode_matches_reference(ratio, ring, req_ring, lengths_on_gpu):
+def test_decode_matches_reference(ratio, ring, req_ring):
     rpi, seq, _, r2t, f2s = planner_inputs(21, batch=300)
     expect = ref.plan_decode(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
     d = CompressorDecodePlan.generate(ratio, rpi.cuda(), r2t.cuda(), f2s.cuda(), seq.cuda(), 256, ring, req_ring)
+    assert d.plan_d.device == rpi.cuda().device and d.plan_d.is_contiguous()
     assert torch.equal(d.plan_d.cpu(), expect)
     host = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
-    assert torch.equal(host.plan_d, expect)
+    assert host.plan_d.device.type == "cpu" and torch.equal(host.plan_d, expect)
+
+
+def test_decode_plan_captured_in_a_graph_and_on_a_side_stream():
+    """plan_d comes from torch's caching allocator inside the kernel call: it must belong to the
+    graph's pool under capture and to the current stream on a side stream, like a torch.empty."""
+    rpi, seq, _, r2t, f2s = planner_inputs(5, batch=64)
+    rpi_d, r2t_d, f2s_d, seq_buf = rpi.cuda(), r2t.cuda(), f2s.cuda(), seq.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = CompressorDecodePlan.generate(4, rpi_d, r2t_d, f2s_d, seq_buf, 256, 8)
+        on_side_bytes = on_side.plan_d.clone()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side_bytes.cpu(), ref.plan_decode(4, rpi, r2t, f2s, seq, 256, 8))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = CompressorDecodePlan.generate(4, rpi_d, r2t_d, f2s_d, seq_buf, 256, 8)
+    for step in range(1, 4):
+        new_seq = seq + step  # decode steps: the pool holds 64 positions past the longest request
+        seq_buf.copy_(new_seq)
+        captured.plan_d.fill_(0xAB)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.plan_d.cpu(), ref.plan_decode(4, rpi, r2t, f2s, new_seq, 256, 8))
 
 
 @pytest.mark.parametrize("ratio", [4, 128])

@@ -24,10 +24,12 @@ def _describe(kernel: str, device: torch.device):
     return lambda code: runtime.function(kernel, "describe_status", device)(code)
 
 
-def _device_of(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.device:
-    """Plans live with the lookup tables (req_pool_indices), or with the lengths if those are on a GPU."""
-    device = req_pool_indices.device
-    return device if device.type == "cuda" else seq_lens.device
+def _placement(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.device, bool]:
+    """(device, on a GPU) of the plans: with the lookup tables (req_pool_indices), or with the lengths
+    if those are on a GPU. `is_cuda` over `device.type`: this runs on every step's host path."""
+    if req_pool_indices.is_cuda:
+        return req_pool_indices.device, True
+    return seq_lens.device, seq_lens.is_cuda
 
 
 def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,
@@ -41,21 +43,21 @@ def _plan_prefill(entry, op, tables, args, seq_lens, extend_lens, num_q_tokens, 
     """One planner family's prefill entry points (`entry`, `entry`_counts/_device/_host_lengths): the path
     by where lengths and lookup tables (`tables`, led by req_pool_indices) live."""
     num_q_tokens = int(num_q_tokens)
-    device = _device_of(tables[0], seq_lens)
-    kernel = "plan" if device.type == "cuda" else "plan_host"
-    if seq_lens.device.type == "cuda" or use_cuda_graph:  # bucket-sized plans, invalid past the counts
+    device, on_gpu = _placement(tables[0], seq_lens)
+    kernel = "plan" if on_gpu else "plan_host"
+    if seq_lens.is_cuda or use_cuda_graph:  # bucket-sized plans, invalid past the counts
         rows_c = rows_w = num_q_tokens
     else:  # lengths on the host: count first (O(batch)) so the plans get their exact shapes
-        rows_c, rows_w = runtime.function(kernel, entry + "_counts", device)(seq_lens, extend_lens, num_q_tokens,
-                                                                              *args)
+        counts = runtime.function(kernel, entry + "_counts", device)(seq_lens, extend_lens, num_q_tokens, *args)
+        rows_c, rows_w = counts >> 32, counts & 0xFFFFFFFF
     plan_c = torch.empty((rows_c, 16), dtype=torch.uint8, device=device)
     plan_w = torch.empty((rows_w, write_row_bytes), dtype=torch.uint8, device=device)
-    if device.type == "cpu":
+    if not on_gpu:
         runtime.function(kernel, entry, device)(*tables, seq_lens, extend_lens, plan_c, plan_w, num_q_tokens, *args,
                                                use_cuda_graph, runtime.checks_enabled())
         return plan_c, plan_w
     status = runtime.status_word(device)
-    if seq_lens.device.type == "cuda":
+    if seq_lens.is_cuda:
         runtime.function(kernel, entry + "_device", device)(*tables, seq_lens, extend_lens, plan_c, plan_w, status,
                                                            *args)
     else:
@@ -72,14 +74,13 @@ def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_l
 
 
 def _plan_decode(entry, op, tables, args, seq_lens):
-    device = _device_of(tables[0], seq_lens)
-    plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
-    if device.type == "cpu":
-        runtime.function("plan_host", entry, device)(*tables, seq_lens, plan_d, *args, runtime.checks_enabled())
-    else:
-        status = runtime.status_word(device)
-        runtime.function("plan", entry, device)(*tables, seq_lens, plan_d, status, *args)
-        runtime.raise_status(status, op, _describe("plan", device))
+    """The kernels allocate plan_d themselves (torch's caching allocator, through tvm-ffi)."""
+    device, on_gpu = _placement(tables[0], seq_lens)
+    if not on_gpu:
+        return runtime.function("plan_host", entry, device)(*tables, seq_lens, *args, runtime.checks_enabled())
+    status = runtime.status_word(device)
+    plan_d = runtime.function("plan", entry, device)(*tables, seq_lens, status, *args)
+    runtime.raise_status(status, op, _describe("plan", device))
     return plan_d
 
 

@@ -110,6 +110,14 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+def same_size_copy_us(nbytes: int) -> float:
+    """Device time of a copy that moves `nbytes` (half read, half written): faster of eager and graph.
+    fp32 elements, as in copy_bandwidth_gbs (torch copies them with 16-byte vectors)."""
+    src = torch.empty(max(nbytes // 8, 1), dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    return min(event_us(lambda: dst.copy_(src)), graph_us(lambda: dst.copy_(src)))
+
+
 def empty_kernel() -> Callable[[], object]:
     """A one-element kernel launch of ours: the floor for tiny launches."""
     from .. import runtime
@@ -121,7 +129,8 @@ def empty_kernel() -> Callable[[], object]:
 
 
 class BandwidthReport:
-    """Rows of (case, bytes moved, eager and graph-replay µs, GB/s, % of the copy bandwidth)."""
+    """Rows of (case, bytes moved, eager and graph-replay µs, GB/s, % of the copy bandwidth, and the
+    time of a device copy moving the same bytes: the floor a size reaches, launch and ramp included)."""
 
     def __init__(self) -> None:
         self.copy_gbs = copy_bandwidth_gbs()
@@ -131,8 +140,10 @@ class BandwidthReport:
     def measure(self, name: str, nbytes: int, fn: Callable[[], object]) -> None:
         eager, graph = event_us(fn), graph_us(fn)
         gbs = nbytes / (min(eager, graph) * 1e-6) / 1e9
+        copy_us = same_size_copy_us(nbytes)
         self.rows.append({"case": name, "bytes": nbytes, "eager_us": eager, "graph_us": graph,
-                          "over_empty_us": graph - self.empty_us, "gbs": gbs, "pct_copy": 100 * gbs / self.copy_gbs})
+                          "over_empty_us": graph - self.empty_us, "gbs": gbs, "pct_copy": 100 * gbs / self.copy_gbs,
+                          "same_size_copy_us": copy_us, "pct_same_size_copy": 100 * copy_us / min(eager, graph)})
 
     def as_dict(self) -> dict:
         return {"copy_gbs": self.copy_gbs, "empty_kernel_graph_us": self.empty_us, "rows": self.rows}
@@ -144,17 +155,19 @@ class BandwidthReport:
             graph = r["graph_us"] <= r["eager_us"]
             out.append(Row(bench, r["case"], min(r["graph_us"], r["eager_us"]), "graph" if graph else "eager",
                            r["bytes"], r["gbs"], r["pct_copy"],
-                           {"eager": r["eager_us"], "graph": r["graph_us"], "over_empty": r["over_empty_us"]}))
+                           {k[:-3]: v for k, v in r.items() if k.endswith("_us")}))
         return out
 
     def print(self) -> None:
-        print(f"device copy bandwidth {self.copy_gbs:.0f} GB/s; empty kernel (graph replay) {self.empty_us:.2f} µs")
+        print(f"device copy bandwidth {self.copy_gbs:.0f} GB/s; empty kernel (graph replay) {self.empty_us:.2f} µs; "
+              "copy µs: a device copy of the same bytes (half read, half written), % of it: copy µs / ours")
         width = max([len(r["case"]) for r in self.rows] + [4])
         print(f"{'case':{width}s} {'MB':>8s} {'eager µs':>9s} {'graph µs':>9s} {'-empty':>7s} {'GB/s':>7s} "
-              f"{'% copy':>7s}")
+              f"{'% copy':>7s} {'copy µs':>8s} {'% of it':>8s}")
         for r in self.rows:
             print(f"{r['case']:{width}s} {r['bytes'] / 1e6:8.3f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} "
-                  f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}%")
+                  f"{r['over_empty_us']:7.2f} {r['gbs']:7.0f} {r['pct_copy']:6.1f}% {r['same_size_copy_us']:8.2f} "
+                  f"{r['pct_same_size_copy']:7.1f}%")
 
 
 def bench_args(description: str, argv=None, *, json_flag: bool = True) -> argparse.Namespace:

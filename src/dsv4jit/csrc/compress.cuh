@@ -248,6 +248,13 @@ struct Kernels {
     const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
     pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
+    const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
+    // The last warp's token row does not depend on the plan: loading it first overlaps the two
+    // round trips (an off-boundary row is then one load latency, not two, before its store).
+    Vec<InT, C> token[W::kGroups];
+    if (last_warp) {
+      load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
+    }
     const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
     const int64_t num_state_rows = p.num_pages * kRatio;
     if (plan.write_loc < 0 || plan.write_loc >= num_state_rows) {
@@ -257,10 +264,8 @@ struct Kernels {
     const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : plan.write_loc % kRatio == kRatio - 1;
     const bool pages_ok = (!W::kOverlap || (plan.read_page_0 >= 0 && plan.read_page_0 < p.num_pages)) &&
                           plan.read_page_1 >= 0 && plan.read_page_1 < p.num_pages;
-    const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
     const auto* state = static_cast<const BufferT*>(p.state);
     const auto* ape = static_cast<const InT*>(p.ape);
-    const InT* token = static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth;
     sink.prepare(lane);
     float kv[W::kSlotsPerWarp][C], z[W::kSlotsPerWarp][C];
     if (boundary && pages_ok) {
@@ -276,11 +281,11 @@ struct Kernels {
       }
     }
     if (last_warp) {
-      store_token(p, token, plan.write_loc, lane.channel);
+      store_state_row(p, token, plan.write_loc, lane.channel);
       if (boundary && pages_ok) {  // through BufferT, exactly as a read-back of the ring would be
         const int s = W::kSlots - 1;
-        const Vec<InT, C> k = load_vec<C>(token + W::kv_col(s) + lane.channel);
-        const Vec<InT, C> sc = load_vec<C>(token + W::score_col(s) + lane.channel);
+        const Vec<InT, C>& k = token[W::kv_col(s) / kHeadDim];
+        const Vec<InT, C>& sc = token[W::score_col(s) / kHeadDim];
         const Vec<InT, C> bias = load_vec<C>(ape + s * kHeadDim + lane.channel);
 #pragma unroll
         for (int c = 0; c < C; ++c) {

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/container/tuple.h>
+#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
@@ -18,6 +18,7 @@
 namespace dsv4::plan {
 
 using tvm::ffi::Optional;
+using tvm::ffi::Tensor;
 using tvm::ffi::TensorView;
 
 inline constexpr int64_t kMaxTokens = 65536;         // ragged ids are u16
@@ -89,9 +90,20 @@ inline void check_plan_tensor(const char* op, const char* name, const TensorView
   }
 }
 
+/// A new plan tensor [rows, row_bytes] u8 from torch's caching allocator (tvm-ffi's environment
+/// allocator: torch's, on its current stream). Allocating in the call that fills the plan saves
+/// a Python-side torch.empty (a few µs of host time) on the decode path.
+inline Tensor new_plan_tensor(int64_t rows, int64_t row_bytes, DLDevice dev) {
+  return Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, {rows, row_bytes}, DLDataType{kDLUInt, 8, 1}, dev);
+}
+
 struct Totals {
   uint32_t num_c = 0;
   uint32_t num_w = 0;
+
+  /// Both counts in one integer (num_c << 32 | num_w): a scalar return crosses tvm-ffi much
+  /// faster than a tuple, and this call sits on the host path of every CPU-length prefill plan.
+  int64_t packed() const { return static_cast<int64_t>((uint64_t{num_c} << 32) | num_w); }
 };
 
 /// Request table from host-resident lengths (entry B holds the totals), validating every request.
@@ -183,18 +195,17 @@ inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_po
   return h;
 }
 
-/// Row counts (num_c, num_w) of a prefill plan from host-resident lengths, validating them; lets
+/// Row counts of a prefill plan from host-resident lengths (Totals::packed), validating them; lets
 /// the caller allocate exactly-sized plans before planning.
-inline tvm::ffi::Tuple<int64_t, int64_t> prefill_counts(TensorView seq_lens, TensorView extend_lens,
-                                                        int64_t num_q_tokens, int64_t compress_ratio,
-                                                        int64_t swa_page_size, int64_t ring_size, bool use_req_ring,
-                                                        bool legacy) {
+inline int64_t prefill_counts(TensorView seq_lens, TensorView extend_lens, int64_t num_q_tokens,
+                              int64_t compress_ratio, int64_t swa_page_size, int64_t ring_size, bool use_req_ring,
+                              bool legacy) {
   const char* op = "plan_prefill";
   const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
   Size batch{"batch_size"};
   std::vector<RequestEntry> table;
   const Totals totals = build_request_table(op, g, seq_lens, extend_lens, batch, num_q_tokens, table);
-  return tvm::ffi::Tuple<int64_t, int64_t>(totals.num_c, totals.num_w);
+  return totals.packed();
 }
 
 /// Message for checked mode (status bits reported by the planner).

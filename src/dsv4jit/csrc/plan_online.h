@@ -49,15 +49,16 @@ inline HostPrefillOf<CompressPlan> checked_online_host_prefill(const char* op, c
   return h;
 }
 
-/// Row counts (segments closing a chunk, trailing partial segments) of an online prefill.
-inline tvm::ffi::Tuple<int64_t, int64_t> prefill_online_counts(TensorView seq_lens, TensorView extend_lens,
-                                                               int64_t num_q_tokens, int64_t state_slot_offset) {
+/// Row counts (segments closing a chunk, trailing partial segments) of an online prefill
+/// (Totals::packed).
+inline int64_t prefill_online_counts(TensorView seq_lens, TensorView extend_lens, int64_t num_q_tokens,
+                                     int64_t state_slot_offset) {
   const char* op = "plan_prefill_online";
   const Geometry g = checked_online_geometry(op, state_slot_offset);
   Size batch{"batch_size"};
   std::vector<RequestEntry> table;
   const Totals totals = build_request_table(op, g, seq_lens, extend_lens, batch, num_q_tokens, table);
-  return tvm::ffi::Tuple<int64_t, int64_t>(totals.num_c, totals.num_w);
+  return totals.packed();
 }
 
 }  // namespace dsv4::plan
