@@ -158,6 +158,16 @@ def test_decode_matches_reference(ratio, ring, req_ring):
     assert host.plan_d.device.type == "cpu" and torch.equal(host.plan_d, expect)
 
 
+def test_decode_plan_filled_in_place_where_kernels_cannot_allocate(monkeypatch):
+    """Without torch's DLPack exchange API the wrapper allocates plan_d and the kernel fills it."""
+    rpi, seq, _, r2t, f2s = planner_inputs(6, batch=70)
+    monkeypatch.setattr(runtime, "_kernel_allocation", [False])
+    d = CompressorDecodePlan.generate(4, rpi.cuda(), r2t.cuda(), f2s.cuda(), seq.cuda(), 256, 8)
+    online = CompressorDecodePlan.generate_online(seq.cuda(), rpi.cuda(), r2t.cuda(), 3)
+    assert torch.equal(d.plan_d.cpu(), ref.plan_decode(4, rpi, r2t, f2s, seq, 256, 8))
+    assert torch.equal(online.plan_d.cpu(), CompressorDecodePlan.generate_online(seq, rpi, r2t, 3).plan_d)
+
+
 def test_decode_plan_captured_in_a_graph_and_on_a_side_stream():
     """plan_d comes from torch's caching allocator inside the kernel call: it must belong to the
     graph's pool under capture and to the current stream on a side stream, like a torch.empty."""

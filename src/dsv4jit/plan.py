@@ -74,14 +74,19 @@ def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_l
 
 
 def _plan_decode(entry, op, tables, args, seq_lens):
-    """The kernels allocate plan_d themselves (torch's caching allocator, through tvm-ffi)."""
+    """The kernel call allocates plan_d itself (torch's caching allocator, through tvm-ffi) where
+    torch allows it (runtime.kernels_allocate), else fills one allocated here."""
     device, on_gpu = _placement(tables[0], seq_lens)
+    plan_d = None
+    if not runtime.kernels_allocate():
+        plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
     if not on_gpu:
-        return runtime.function("plan_host", entry, device)(*tables, seq_lens, *args, runtime.checks_enabled())
-    status = runtime.status_word(device)
-    plan_d = runtime.function("plan", entry, device)(*tables, seq_lens, status, *args)
-    runtime.raise_status(status, op, _describe("plan", device))
-    return plan_d
+        made = runtime.function("plan_host", entry, device)(*tables, seq_lens, plan_d, *args, runtime.checks_enabled())
+    else:
+        status = runtime.status_word(device)
+        made = runtime.function("plan", entry, device)(*tables, seq_lens, plan_d, status, *args)
+        runtime.raise_status(status, op, _describe("plan", device))
+    return plan_d if made is None else made
 
 
 def _check_copy(self, other, fields) -> None:

@@ -15,6 +15,7 @@ from .jit.toolchain import Arch
 
 _FUNCTIONS: dict[tuple, object] = {}
 _checks: list[bool] = []  # resolved once: DSV4JIT_CHECK is read at first use, set_checks overrides
+_kernel_allocation: list[bool] = []  # resolved once, by kernels_allocate()
 
 
 def set_checks(enabled: bool | None) -> None:
@@ -53,6 +54,17 @@ def function(kernel: str, name: str, device: torch.device, **params):
         module = loader.load(variant(kernel, arch, **params), arch)
         fn = _FUNCTIONS[key] = getattr(module, name)
     return fn
+
+
+def kernels_allocate() -> bool:
+    """Whether kernel calls may allocate their outputs through tvm-ffi's environment allocator
+    (torch's caching allocator). It needs torch's DLPack C exchange API (recent torch has it;
+    tvm-ffi installs an addon into older torch when it can); without it the wrappers allocate."""
+    if not _kernel_allocation:
+        import tvm_ffi  # noqa: F401  (importing it installs the exchange API into older torch if it can)
+
+        _kernel_allocation.append(hasattr(torch.Tensor, "__dlpack_c_exchange_api__"))
+    return _kernel_allocation[0]
 
 
 def status_word(device: torch.device, words: int = 1) -> torch.Tensor | None:

@@ -339,43 +339,45 @@ struct Planner {
     return launch_sized<kMaxDeviceBatch>(op, dev, p, entries, n);
   }
 
-  /// Returns plan_d [batch, 16], allocated here (new_plan_tensor).
-  static Tensor decode(TensorView req_pool_indices, Optional<TensorView> req_to_token,
-                       Optional<TensorView> full_to_state, TensorView seq_lens, Optional<TensorView> status,
-                       int64_t compress_ratio, int64_t swa_page_size, int64_t ring_size, bool use_req_ring,
-                       bool legacy) {
+  /// Fills plan_d [batch, 16]; with plan_d None, allocates it and returns it (PlanOutput).
+  static Optional<Tensor> decode(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                 Optional<TensorView> full_to_state, TensorView seq_lens, Optional<TensorView> plan_d,
+                                 Optional<TensorView> status, int64_t compress_ratio, int64_t swa_page_size,
+                                 int64_t ring_size, bool use_req_ring, bool legacy) {
     const char* op = "plan_decode";
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
     Size batch{"batch_size"};
     Device dev;
     const Tables tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
-    return launch_decode(op, g, tables, batch, dev, seq_lens, status);
+    return launch_decode(op, g, tables, batch, dev, seq_lens, plan_d, status);
   }
 
-  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request; returns plan_d.
-  static Tensor decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token, TensorView seq_lens,
-                              Optional<TensorView> status, int64_t state_slot_offset) {
+  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request (plan_d as decode).
+  static Optional<Tensor> decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                        TensorView seq_lens, Optional<TensorView> plan_d, Optional<TensorView> status,
+                                        int64_t state_slot_offset) {
     const char* op = "plan_decode_online";
     const Geometry g = checked_online_geometry(op, state_slot_offset);
     Size batch{"batch_size"};
     Device dev;
     const Tables tables = checked_online_tables(op, g, req_pool_indices, req_to_token, batch, dev, true);
-    return launch_decode(op, g, tables, batch, dev, seq_lens, status);
+    return launch_decode(op, g, tables, batch, dev, seq_lens, plan_d, status);
   }
 
-  static Tensor launch_decode(const char* op, const Geometry& g, const Tables& tables, Size& batch, Device& dev,
-                              const TensorView& seq_lens, const Optional<TensorView>& status) {
+  static Optional<Tensor> launch_decode(const char* op, const Geometry& g, const Tables& tables, Size& batch,
+                                        Device& dev, const TensorView& seq_lens, const Optional<TensorView>& plan_d,
+                                        const Optional<TensorView>& status) {
     Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
-    Tensor plan_d = new_plan_tensor(batch.value, sizeof(DecodePlan), dev.dev);
+    PlanOutput out = PlanOutput::of(op, "plan_d", plan_d, batch, sizeof(DecodePlan), dev, true);
     DecodeParams p{};
     p.tables = tables;
     p.g = g;
-    p.plan_d = static_cast<DecodePlan*>(plan_d.data_ptr());
+    p.plan_d = static_cast<DecodePlan*>(out.data);
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.batch_size = static_cast<uint32_t>(batch.value);
     p.status = status_words(op, dev, status);
     launch(op, dev.dev, {div_ceil(p.batch_size, kThreads), kThreads}, kPDL, decode_kernel<kPDL>, p);
-    return plan_d;
+    return out.owned;
   }
 };
 

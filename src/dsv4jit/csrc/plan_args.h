@@ -90,12 +90,26 @@ inline void check_plan_tensor(const char* op, const char* name, const TensorView
   }
 }
 
-/// A new plan tensor [rows, row_bytes] u8 from torch's caching allocator (tvm-ffi's environment
-/// allocator: torch's, on its current stream). Allocating in the call that fills the plan saves
-/// a Python-side torch.empty (a few µs of host time) on the decode path.
-inline Tensor new_plan_tensor(int64_t rows, int64_t row_bytes, DLDevice dev) {
-  return Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, {rows, row_bytes}, DLDataType{kDLUInt, 8, 1}, dev);
-}
+/// The plan tensor [rows, row_bytes] u8 a call fills: the caller's (checked), or, when the caller
+/// passes None, a new one from torch's caching allocator (tvm-ffi's environment allocator: torch's,
+/// on its current stream), returned to the caller in `owned`. Allocating in the call that fills
+/// the plan saves a Python-side torch.empty (a few µs of host time) on the decode path; callers
+/// pass their own where torch lacks the DLPack exchange API that the environment allocator needs.
+struct PlanOutput {
+  Optional<Tensor> owned;
+  void* data;
+
+  static PlanOutput of(const char* op, const char* name, const Optional<TensorView>& given, Size& rows,
+                       int64_t row_bytes, Device& dev, bool on_cuda) {
+    if (given.has_value()) {
+      check_plan_tensor(op, name, given.value(), rows, row_bytes, dev, on_cuda);
+      return {std::nullopt, given.value().data_ptr()};
+    }
+    Tensor t = Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, {rows.value, row_bytes}, DLDataType{kDLUInt, 8, 1}, dev.dev);
+    void* data = t.data_ptr();
+    return {std::move(t), data};
+  }
+};
 
 struct Totals {
   uint32_t num_c = 0;

@@ -58,45 +58,47 @@ struct HostPlanner {
     if (checked) raise_status(op, status);
   }
 
-  /// Returns plan_d [batch, 16] on the CPU, allocated here (new_plan_tensor).
-  static Tensor decode(TensorView req_pool_indices, Optional<TensorView> req_to_token,
-                       Optional<TensorView> full_to_state, TensorView seq_lens, int64_t compress_ratio,
-                       int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy, bool checked) {
+  /// Fills plan_d [batch, 16] on the CPU; with plan_d None, allocates it and returns it (PlanOutput).
+  static Optional<Tensor> decode(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                 Optional<TensorView> full_to_state, TensorView seq_lens, Optional<TensorView> plan_d,
+                                 int64_t compress_ratio, int64_t swa_page_size, int64_t ring_size, bool use_req_ring,
+                                 bool legacy, bool checked) {
     const char* op = "plan_decode";
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
     Size batch{"batch_size"};
     Device dev;
     Tables tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, false);
-    return decode_rows(op, g, tables, batch, dev, seq_lens, checked);
+    return decode_rows(op, g, tables, batch, dev, seq_lens, plan_d, checked);
   }
 
-  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request; returns plan_d.
-  static Tensor decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token, TensorView seq_lens,
-                              int64_t state_slot_offset, bool checked) {
+  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request (plan_d as decode).
+  static Optional<Tensor> decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token,
+                                        TensorView seq_lens, Optional<TensorView> plan_d, int64_t state_slot_offset,
+                                        bool checked) {
     const char* op = "plan_decode_online";
     const Geometry g = checked_online_geometry(op, state_slot_offset);
     Size batch{"batch_size"};
     Device dev;
     Tables tables = checked_online_tables(op, g, req_pool_indices, req_to_token, batch, dev, false);
-    return decode_rows(op, g, tables, batch, dev, seq_lens, checked);
+    return decode_rows(op, g, tables, batch, dev, seq_lens, plan_d, checked);
   }
 
-  static Tensor decode_rows(const char* op, const Geometry& g, Tables tables, Size& batch, Device& dev,
-                            const TensorView& seq_lens, bool checked) {
+  static Optional<Tensor> decode_rows(const char* op, const Geometry& g, Tables tables, Size& batch, Device& dev,
+                                      const TensorView& seq_lens, const Optional<TensorView>& plan_d, bool checked) {
     int32_t status = 0;
     tables.status = &status;
     Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cpu().contiguous();
     const auto* seq = static_cast<const int64_t*>(seq_lens.data_ptr());
-    for (int64_t b = 0; b < batch.value; ++b) {  // validate before allocating: nothing half-built on error
+    for (int64_t b = 0; b < batch.value; ++b) {  // validate before writing: nothing half-built on error
       expect(seq[b] >= 1 && seq[b] <= INT32_MAX, op, "seq_lens", "in [1, 2^31) for every request", seq[b]);
     }
-    Tensor plan_d = new_plan_tensor(batch.value, sizeof(DecodePlan), dev.dev);
-    auto* out = static_cast<DecodePlan*>(plan_d.data_ptr());
+    PlanOutput out = PlanOutput::of(op, "plan_d", plan_d, batch, sizeof(DecodePlan), dev, false);
+    auto* rows = static_cast<DecodePlan*>(out.data);
     for (int64_t b = 0; b < batch.value; ++b) {
-      out[b] = decode_row(g, tables, static_cast<uint32_t>(b), static_cast<int32_t>(seq[b]));
+      rows[b] = decode_row(g, tables, static_cast<uint32_t>(b), static_cast<int32_t>(seq[b]));
     }
     if (checked) raise_status(op, status);
-    return plan_d;
+    return out.owned;
   }
 };
 
