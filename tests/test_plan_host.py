@@ -39,12 +39,12 @@ def test_decode_matches_reference(ratio, ring, req_ring):
 def test_decode_plan_filled_in_place_where_kernels_cannot_allocate(monkeypatch, ratio, ring, req_ring):
     """Without torch's DLPack exchange API the wrapper allocates plan_d and the call fills it."""
     rpi, seq, _, r2t, f2s = planner_inputs(4, batch=33)
+    default_online = CompressorDecodePlan.generate_online(seq, rpi, r2t, 5)  # whichever path this torch takes
     monkeypatch.setattr(runtime, "_kernel_allocation", [False])
     d = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)
     assert torch.equal(d.plan_d, ref.plan_decode(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring))
     online = CompressorDecodePlan.generate_online(seq, rpi, r2t, 5)
-    monkeypatch.setattr(runtime, "_kernel_allocation", [True])
-    assert torch.equal(online.plan_d, CompressorDecodePlan.generate_online(seq, rpi, r2t, 5).plan_d)
+    assert torch.equal(online.plan_d, default_online.plan_d)
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
