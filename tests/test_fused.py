@@ -31,7 +31,7 @@ class Twin:
     """One scenario (plans, inputs) driving a two-step copy and a fused copy of state and cache."""
 
     def __init__(self, device, config, fmt, *, state_dtype=torch.float32, in_dtype=torch.float32, num_reqs=4,
-                 seed=0):
+                 seed=0, num_locs=2 * MAX_CTX):
         ratio, mode, ring = config
         hd = FORMAT_HEAD_DIM[fmt]  # the store format fixes head_dim
         self.sc = Scenario(device, ratio, mode, ring, num_reqs=num_reqs, max_ctx=MAX_CTX, hd=hd,
@@ -43,7 +43,7 @@ class Twin:
         # finite states (the pool's NaN rows would make every pooled value NaN alike)
         sc.state.copy_(torch.randn(sc.state.shape, generator=gen).to(state_dtype))
         self.state_b = sc.state.clone()
-        num_locs = 2 * MAX_CTX  # out_loc covers every token of a prefill step
+        # out_loc covers every token of a prefill step
         pages = -(-num_locs // self.page_size)
         self.cache_a = torch.randint(0, 256, (pages, ref_store.page_bytes(fmt, self.page_size)), generator=gen,
                                      dtype=torch.uint8).to(sc.device)
@@ -174,6 +174,20 @@ def test_fused_long_random_scenario(device, config_format):
         else:
             tw.decode(rng.sample(room, k=min(len(room), rng.randint(1, 10))), loc_dtype=loc_dtype)
     assert tw.stored_steps >= 10
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_c128_calls_of_many_rows(device):
+    """Ring c128 prefills of 128 rows or more take a block per row (slices in turn) instead of a
+    cluster: prefills of 160 and 128+ compress events around decode batches of 64 requests."""
+    n = 64
+    tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=11, num_locs=32 * 1024)
+    rids = list(range(n))
+    tw.prefill(rids, [128 * (3 + r % 2) - 1 for r in rids])  # 2 or 3 events each; every request at R - 1
+    tw.decode(rids)  # 64 boundary rows
+    tw.prefill(rids, [257 + r * 37 % 128 for r in rids], gpu_lengths=True)  # 2 or 3 events each
+    tw.decode(rids)  # mixed
+    assert tw.stored_steps >= 3
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])

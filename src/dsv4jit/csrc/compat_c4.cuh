@@ -109,7 +109,7 @@ struct Kernels {
     }
     pdl_launch_dependents<kPDL>();
     float v[C];
-    const bool holds = K::reduce_unit(lane, pool_slots(kv, z), v);
+    const bool holds = K::template reduce_unit<false>(lane, pool_slots(kv, z), v);
     emit(p, lane, out_row, holds, v);
   }
 

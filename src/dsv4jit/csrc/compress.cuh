@@ -102,6 +102,12 @@ struct Kernels {
       return {static_cast<uint32_t>(unit / W::kSlices), warp % warps_per_unit,
               slice * W::kUnitChannels + static_cast<int>(threadIdx.x % kWarpSize) * C};
     }
+
+    /// Slices in turn: the block is row blockIdx.x's unit for every slice.
+    DSV4_DEV static Lane of_slice(int slice) {
+      return {blockIdx.x, static_cast<int>(threadIdx.x / kWarpSize),
+              slice * W::kUnitChannels + static_cast<int>(threadIdx.x % kWarpSize) * C};
+    }
   };
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
@@ -128,17 +134,23 @@ struct Kernels {
   }
 
   /// Merges the unit's per-warp partials (through shared memory) into the pooled values of this
-  /// lane's channels; true in the unit's first warp, which holds them.
+  /// lane's channels; true in the warp that holds them: the unit's first, or with slices in turn
+  /// (one block pools a row's slices one after another) warp `slice`, from one of two buffers,
+  /// so no warp waits on a merge before it loads the next slice. Same merge order either way.
+  template <bool kSlicesInTurn>
   static DSV4_DEV bool reduce_unit(const Lane& lane, const SoftmaxPartial<C>& part, float (&v)[C]) {
     SoftmaxPartial<C> total = part;
     if constexpr (W::kWarpsPerUnit > 1) {
-      __shared__ SoftmaxPartial<C> parts[W::kWarpsPerUnit][kWarpSize];
+      __shared__ SoftmaxPartial<C> parts[kSlicesInTurn ? 2 : 1][W::kWarpsPerUnit][kWarpSize];
+      const int slice = lane.channel / W::kUnitChannels;
+      const int buffer = kSlicesInTurn ? slice % 2 : 0;
       const int lane_id = threadIdx.x % kWarpSize;
-      parts[lane.warp_in_unit][lane_id] = part;
+      parts[buffer][lane.warp_in_unit][lane_id] = part;
       __syncthreads();
-      if (lane.warp_in_unit != 0) return false;
+      if (lane.warp_in_unit != (kSlicesInTurn ? slice % W::kWarpsPerUnit : 0)) return false;
+      if constexpr (kSlicesInTurn) total = parts[buffer][0][lane_id];
 #pragma unroll
-      for (int w = 1; w < W::kWarpsPerUnit; ++w) merge_into(total, parts[w][lane_id]);
+      for (int w = 1; w < W::kWarpsPerUnit; ++w) merge_into(total, parts[buffer][w][lane_id]);
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);
@@ -147,8 +159,10 @@ struct Kernels {
 
   /// Where pooled rows go in compress_forward: row `row` of `out`, in OutT. The pool passes hand
   /// every unit's result to a sink (prepare() once the row is known valid, emit() by every thread
-  /// of the unit with the values in its first warp), so the fused kernel can store them instead.
+  /// of the unit, `holds` in the warp with the values; kSlicesInTurn: the sink's block takes a
+  /// row's slices one after another), so the fused kernel can store them instead.
   struct OutputRows {
+    static constexpr bool kSlicesInTurn = false;
     const Params& p;
     DSV4_DEV void prepare(const Lane&) {}
     DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
@@ -162,8 +176,7 @@ struct Kernels {
 
   /// Prefill pool pass: one unit per (plan_c row, slice); invalid rows leave their output untouched.
   template <typename Sink>
-  static DSV4_DEV void prefill_pool(const Params& p, Sink& sink) {
-    const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
+  static DSV4_DEV void prefill_pool(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();  // the plan may come from the planner launched just before
     if (lane.row >= p.num_rows) return;
     const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
@@ -195,7 +208,7 @@ struct Kernels {
     }
     pdl_launch_dependents<kPDL>();
     float v[C];
-    const bool holds = reduce_unit(lane, pool_slots(kv, z), v);
+    const bool holds = reduce_unit<Sink::kSlicesInTurn>(lane, pool_slots(kv, z), v);
     sink.emit(lane, holds, v);
   }
 
@@ -244,8 +257,7 @@ struct Kernels {
   /// Decode: write the current token; at a boundary pool the whole window from the ring (the
   /// last slot straight from registers: same values the ring now holds); else zero the output.
   template <typename Sink>
-  static DSV4_DEV void decode(const Params& p, Sink& sink) {
-    const Lane lane = Lane::of(kUnitsPerBlock, W::kWarpsPerUnit);
+  static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
     const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
@@ -302,7 +314,7 @@ struct Kernels {
     float v[C];
     bool holds;
     if (boundary && pages_ok) {
-      holds = reduce_unit(lane, pool_slots(kv, z), v);
+      holds = reduce_unit<Sink::kSlicesInTurn>(lane, pool_slots(kv, z), v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
 #pragma unroll
@@ -316,7 +328,7 @@ struct Kernels {
 template <typename K>
 __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void prefill_pool_kernel(const __grid_constant__ Params p) {
   typename K::OutputRows sink{p};
-  K::prefill_pool(p, sink);
+  K::prefill_pool(p, K::Lane::of(K::kUnitsPerBlock, K::W::kWarpsPerUnit), sink);
 }
 
 template <typename K>
@@ -327,7 +339,7 @@ __global__ __launch_bounds__(4 * kWarpSize) void prefill_write_kernel(const __gr
 template <typename K>
 __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(const __grid_constant__ Params p) {
   typename K::OutputRows sink{p};
-  K::decode(p, sink);
+  K::decode(p, K::Lane::of(K::kUnitsPerBlock, K::W::kWarpsPerUnit), sink);
 }
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
