@@ -382,10 +382,7 @@ struct Compress {
                                const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
     Size input_rows{"num_q_tokens"};
     Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    const auto [c, w] = prefill_plans<WritePlan>(op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
-    p.plan = c;
-    p.plan_w = static_cast<const WritePlan*>(w);
-    p.num_rows = static_cast<uint32_t>(rows_c.value);
+    set_prefill_plans<WritePlan>(p, op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
     return p;
   }
 
@@ -394,8 +391,7 @@ struct Compress {
                               const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
                               Size& batch) {
     Params p = common(op, dev, state, input, ape, out, status, batch, batch);
-    p.plan = plan_rows<DecodePlan>(op, "plan[1]", dev, plan_d, batch);
-    p.num_rows = static_cast<uint32_t>(batch.value);
+    set_decode_plan(p, op, dev, plan_d, batch);
     return p;
   }
 

@@ -316,10 +316,7 @@ struct Online {
                                const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
     Size input_rows{"num_q_tokens"};
     Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    const auto [c, w] = prefill_plans<CompressPlan>(op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
-    p.plan = c;
-    p.plan_w = w;
-    p.num_rows = static_cast<uint32_t>(rows_c.value);
+    set_prefill_plans<CompressPlan>(p, op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
     return p;
   }
 
@@ -328,8 +325,7 @@ struct Online {
                               const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
                               Size& batch) {
     Params p = common(op, dev, state, input, ape, out, status, batch, batch);
-    p.plan = plan_rows<DecodePlan>(op, "plan[1]", dev, plan_d, batch);
-    p.num_rows = static_cast<uint32_t>(batch.value);
+    set_decode_plan(p, op, dev, plan_d, batch);
     return p;
   }
 

@@ -2,8 +2,6 @@
 // ring and the online compressors.
 #pragma once
 
-#include <utility>
-
 #include "plan_structs.h"
 #include "tensor_check.h"
 
@@ -16,17 +14,24 @@ const void* plan_rows(const char* op, const char* arg, Device& dev, const tvm::f
   return plan.data_ptr();
 }
 
-/// A prefill call's plans: plan[1] CompressPlan rows (the pool pass) and plan[2] `WriteRow` rows
-/// (the write pass, at most one per input row); their data.
-template <typename WriteRow>
-std::pair<const void*, const void*> prefill_plans(const char* op, Device& dev, const tvm::ffi::TensorView& plan_c,
-                                                  const tvm::ffi::TensorView& plan_w, Size& rows_c, Size& rows_w,
-                                                  int64_t input_rows) {
-  const void* c = plan_rows<CompressPlan>(op, "plan[1]", dev, plan_c, rows_c);
-  const void* w = plan_rows<WriteRow>(op, "plan[2]", dev, plan_w, rows_w);
+/// Fills the plan fields of a prefill call's parameters `p` (plan, plan_w, num_rows, as every
+/// compressor's Params names them): plan[1] CompressPlan rows (the pool pass) and plan[2]
+/// `WriteRow` rows (the write pass, at most one per input row).
+template <typename WriteRow, typename P>
+void set_prefill_plans(P& p, const char* op, Device& dev, const tvm::ffi::TensorView& plan_c,
+                       const tvm::ffi::TensorView& plan_w, Size& rows_c, Size& rows_w, int64_t input_rows) {
+  p.plan = plan_rows<CompressPlan>(op, "plan[1]", dev, plan_c, rows_c);
+  p.plan_w = static_cast<decltype(p.plan_w)>(plan_rows<WriteRow>(op, "plan[2]", dev, plan_w, rows_w));
   expect(rows_w.value <= input_rows, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
          rows_w.value);
-  return {c, w};
+  p.num_rows = static_cast<uint32_t>(rows_c.value);
+}
+
+/// Fills the plan fields of a decode call's parameters `p`: plan[1] DecodePlan rows, one per request.
+template <typename P>
+void set_decode_plan(P& p, const char* op, Device& dev, const tvm::ffi::TensorView& plan_d, Size& batch) {
+  p.plan = plan_rows<DecodePlan>(op, "plan[1]", dev, plan_d, batch);
+  p.num_rows = static_cast<uint32_t>(batch.value);
 }
 
 }  // namespace dsv4
