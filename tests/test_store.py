@@ -45,7 +45,7 @@ from dsv4jit.plan_layout import (
     invalid_compress_rows,
 )
 from dsv4jit.reference import store as ref_store
-from dsv4jit.reference.quant import fp4_encode
+from dsv4jit.reference.quant import fp4_encode, ue8m0_exponent
 from pool_utils import SWA_PAGE, random_batch, random_pool
 
 POISON = 0xAB
@@ -941,3 +941,24 @@ def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
         bad = (out != expected).nonzero()
         assert bad.numel() == 0, (f"{bad.numel()} codes differ from {start:#010x} on, first at bit pattern "
                                   f"{start + int(bad[0]):#010x}: {int(out[bad[0]])} != {int(expected[bad[0]])}")
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_scale_exponents_equal_the_division_rule_on_every_fp32(device):
+    """The kernels' UE8M0 scale exponents (from amax's bits, no division) against
+    reference.quant.ue8m0_exponent(max(amax, 1e-4) / D) for fp4 (D = 6) and V4 (D = 448), on all
+    non-negative fp32 bit patterns: below the floor, subnormals, every mantissa, infinity, NaNs."""
+    dev = torch.device(device, torch.cuda.current_device())
+    exponents = runtime.function("store", "scale_exponents", dev, dtype="fp32", format="indexer_fp4")
+    chunk = 1 << 28
+    out = torch.full((chunk, 2), -1, dtype=torch.int32, device=dev)
+    for start in range(0, 1 << 31, chunk):
+        amax = torch.arange(start, start + chunk, dtype=torch.int32, device=dev).view(torch.float32)
+        exponents(amax, out)
+        floored = torch.where(amax.isnan(), 1e-4, amax).clamp_min(1e-4)
+        for col, divisor in enumerate((6.0, 448.0)):
+            expected = ue8m0_exponent(floored / divisor).to(torch.int32)
+            bad = (out[:, col] != expected).nonzero()
+            assert bad.numel() == 0, (f"D={divisor}: {bad.numel()} exponents differ from {start:#010x} on, first at "
+                                      f"bit pattern {start + int(bad[0]):#010x}: {int(out[bad[0], col])} != "
+                                      f"{int(expected[bad[0]])}")

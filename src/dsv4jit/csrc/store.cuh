@@ -340,7 +340,7 @@ struct Kernel {
   static DSV4_DEV int64_t slot_of(const Params& p, int64_t loc) { return loc & ((int64_t{1} << p.log2_page_size) - 1); }
 
   /// UE8M0 exponent of a V4 tile's scale (rounded up; amax floored at 1e-4).
-  static DSV4_DEV int v4_exponent(float amax) { return ue8m0_ceil(fmaxf(amax, 1e-4f) / 448.0f); }
+  static DSV4_DEV int v4_exponent(float amax) { return ue8m0_scale_exponent<448>(amax); }
   /// e4m3 code of a bf16-rounded value under scale 2^(e - 127), saturated to ±448.
   static DSV4_DEV uint8_t v4_code(float q, int e) {
     return e4m3_code(fminf(fmaxf(q * exp2_int(127 - e), -448.0f), 448.0f));
@@ -363,14 +363,13 @@ struct Kernel {
     }
 #pragma unroll
     for (int m = 1; m < kLanes; m *= 2) {  // distances 4 .. 2·kLanes pair lane j with lane j ^ m
-      const bool upper = j & m;
+      // upper lanes take other - own, lower ones own + other: one fma with an exact ±1 factor
+      // rounds the same sum once
+      const float sign = (j & m) ? -1.0f : 1.0f;
 #pragma unroll
       for (int w = 0; w < kSpan; ++w) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float other = __shfl_xor_sync(row_mask(), v[w][i], m);
-          v[w][i] = upper ? other - v[w][i] : v[w][i] + other;
-        }
+        for (int i = 0; i < 4; ++i) v[w][i] = __fmaf_rn(sign, v[w][i], __shfl_xor_sync(row_mask(), v[w][i], m));
       }
     }
 #pragma unroll
@@ -427,7 +426,7 @@ struct Kernel {
                                          uint8_t* scales) {
 #pragma unroll
     for (int w = 0; w < kSpan; ++w) {
-      const int e = ue8m0_ceil(fmaxf(reduce_amax(amax4(v[w]), 8, row_mask()), 1e-4f) / 6.0f);
+      const int e = ue8m0_scale_exponent<6>(reduce_amax(amax4(v[w]), 8, row_mask()));
       const float inv = exp2_int(127 - e);
       const uint32_t codes = fp4_code(v[w][0] * inv) | fp4_code(v[w][1] * inv) << 4 | fp4_code(v[w][2] * inv) << 8 |
                              fp4_code(v[w][3] * inv) << 12;
@@ -459,6 +458,26 @@ inline void fp4_codes(TensorView x, TensorView out) {
   Check(op, "out", out).shape({n}).dtype(dl::kU8).cuda(dev).contiguous();
   launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, fp4_codes_kernel,
          static_cast<const float*>(x.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), n.value);
+}
+
+__global__ void scale_exponents_kernel(const float* __restrict__ amax, int32_t* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    out[2 * i] = ue8m0_scale_exponent<6>(amax[i]);
+    out[2 * i + 1] = ue8m0_scale_exponent<448>(amax[i]);
+  }
+}
+
+/// The UE8M0 exponents the stores write for a group's largest magnitude: amax fp32 [n] -> out
+/// int32 [n, 2] (fp4 groups: scale amax / 6; V4 tiles: amax / 448), for checking them against the
+/// reference's division on any set of values.
+inline void scale_exponents(TensorView amax, TensorView out) {
+  const char* op = "store.scale_exponents";
+  Size n{"n"};
+  Device dev;
+  Check(op, "amax", amax).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
+  Check(op, "out", out).shape({n, 2}).dtype(dl::kI32).cuda(dev).contiguous();
+  launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, scale_exponents_kernel,
+         static_cast<const float*>(amax.data_ptr()), static_cast<int32_t*>(out.data_ptr()), n.value);
 }
 
 template <typename DType, Format F, bool kPDL>

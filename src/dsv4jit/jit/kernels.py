@@ -75,7 +75,7 @@ STORE = KernelSpec(
     header="store.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run",
-             "fp4_codes": "dsv4::store::fp4_codes"},
+             "fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents"},
     serving=tuple({"dtype": "fp32", "format": f, "pdl": True} for f in STORE_FORMATS),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
 )

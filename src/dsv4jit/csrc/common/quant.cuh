@@ -8,10 +8,19 @@
 
 namespace dsv4 {
 
-/// Biased UE8M0 exponent of a positive scale, rounded up to a power of two: 2^(e-127) >= scale.
-DSV4_DEV int ue8m0_ceil(float scale) {
-  const uint32_t bits = __float_as_uint(scale);
-  return static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0);
+constexpr int log2_floor(int v) { return v < 2 ? 0 : 1 + log2_floor(v / 2); }
+
+/// Biased UE8M0 exponent of the scale max(amax, 1e-4) / D rounded up to a power of two (e with
+/// 2^(e-127) >= the fp32 quotient), D the code's largest value. No division: amax = 2^E·M and
+/// D = 2^d·m (M, m in [1, 2)) give E - d, plus one when M > m. The fp32 quotient agrees: from the
+/// amax just above D·2^k, amax / D exceeds 2^k by more than half an ulp (m < 2), so it rounds above.
+template <int D>
+DSV4_DEV int ue8m0_scale_exponent(float amax) {
+  constexpr int d = log2_floor(D);
+  constexpr uint32_t m_bits = (static_cast<uint32_t>(D) << (23 - d)) & 0x7FFFFFu;
+  const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f));  // NaN -> the floor
+  if (bits >= 0x7F800000u) return 255;                          // inf / D
+  return static_cast<int>((bits + (0x7FFFFFu - m_bits)) >> 23) - d;
 }
 
 /// 2^k as an fp32 (normal range), so that scaling by it is exact.
@@ -27,8 +36,10 @@ DSV4_DEV uint8_t e4m3_code(float x) { return static_cast<uint8_t>(__nv_cvt_float
 /// bit 0) is index 2.
 DSV4_DEV uint32_t fp4_code(float u) {
   const float a = fabsf(u);
-  const uint32_t idx = a >= 1.0f ? ((__float_as_uint(fminf(a, 6.0f)) + 0x1FFFFFu) >> 22) - (127u << 1) + 2u
-                                 : (a > 0.25f) + (a > 0.75f);
+  // both sides computed, then selected: a branch per value diverges within the warp
+  const uint32_t from_one = ((__float_as_uint(fminf(a, 6.0f)) + 0x1FFFFFu) >> 22) - (127u << 1) + 2u;
+  const uint32_t below_one = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a > 0.75f);
+  const uint32_t idx = a >= 1.0f ? from_one : below_one;
   return (u < 0.0f && idx != 0) ? (idx | 8u) : idx;
 }
 
