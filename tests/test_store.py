@@ -538,11 +538,13 @@ def test_store_matches_reference(fmt, kv_dtype, decode, loc_dtype, seed, device)
 
 
 IDX_FP8_MANY = Fmt("indexer_fp8", 128, 4, 64, 40)  # room for a batch above the 8-lane threshold
+IDX_FP4_MANY = Fmt("indexer_fp4", 128, 4, 64, 40, use_fp4=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-@pytest.mark.parametrize("fmt,rows", [(f, n) for f in (IDX_FP8, IDX_FP4) for n in (5, 7, 37)] + [(IDX_FP8_MANY, 2053)],
+@pytest.mark.parametrize("fmt,rows", [(f, n) for f in (IDX_FP8, IDX_FP4) for n in (5, 7, 37)]
+                         + [(IDX_FP8_MANY, 2053), (IDX_FP4_MANY, 2053)],
                          ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
 def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, device):
     """Indexer rows take 16 lanes (8 for fp8 batches above 2048 rows), several to a warp: counts
