@@ -8,6 +8,12 @@
 
 namespace dsv4 {
 
+/// Biased UE8M0 exponent of a positive scale, rounded up to a power of two: 2^(e-127) >= scale.
+DSV4_DEV int ue8m0_ceil(float scale) {
+  const uint32_t bits = __float_as_uint(scale);
+  return static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0);
+}
+
 constexpr int log2_floor(int v) { return v < 2 ? 0 : 1 + log2_floor(v / 2); }
 
 /// Biased UE8M0 exponent of the scale max(amax, 1e-4) / D rounded up to a power of two (e with
