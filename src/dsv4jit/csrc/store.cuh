@@ -469,9 +469,9 @@ __global__ void scale_exponents_kernel(const float* __restrict__ amax, int32_t* 
   }
 }
 
-/// The UE8M0 exponents the stores write for a group's largest magnitude: amax fp32 [n] -> out
-/// int32 [n, 2] (fp4 groups: scale amax / 6; V4 tiles: amax / 448), for checking them against the
-/// reference's division on any set of values.
+/// UE8M0 exponents by the division-free rule for a group's largest magnitude: amax fp32 [n] -> out
+/// int32 [n, 2] (amax / 6, the fp4 groups' scale; amax / 448, the V4 tiles' divisor, which v4_exponent
+/// keeps as a division), for checking the rule against the reference's division on any set of values.
 inline void scale_exponents(TensorView amax, TensorView out) {
   const char* op = "store.scale_exponents";
   Size n{"n"};
