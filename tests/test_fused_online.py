@@ -27,7 +27,7 @@ from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_s
                      compress_norm_rope_store)
 from dsv4jit.reference import store as ref_store
 from test_compress import C128_128, DEVICES
-from test_fused import CUDA_MARKS, Twin
+from test_fused import CUDA_MARKS, MAX_CTX, Twin
 
 HD, R = 512, 128
 FORMATS = ["v4_fp8", "v4_bf16"]
@@ -38,8 +38,8 @@ class OnlineTwin(Twin):
     """Twin over an online state pool ``[slots + offset, 1, 3·HD]`` (m | s | k rows, s > 0)."""
 
     def __init__(self, device, fmt="v4_fp8", *, state_dtype=torch.float32, offset=0, page_size=2, flat=False,
-                 num_reqs=3, seed=0):
-        super().__init__(device, C128_128, fmt, num_reqs=num_reqs, seed=seed)  # ape [128, HD], inputs [n, 2·HD]
+                 num_reqs=3, seed=0, num_locs=2 * MAX_CTX):
+        super().__init__(device, C128_128, fmt, num_reqs=num_reqs, seed=seed, num_locs=num_locs)  # ape [128, HD]
         sc, gen = self.sc, self.sc.gen
         if page_size != self.page_size:
             self.page_size, num_locs = page_size, self.locs.numel()
@@ -147,6 +147,19 @@ def test_fused_online_equals_two_step(device, state, fmt, offset):
     while any(n < e for n, e in zip(sc.lens, ends)):
         tw.decode([b for b in range(sc.num_reqs) if sc.lens[b] < ends[b]])
     assert tw.stored_steps >= 4, "the scenario stored too few rows to prove anything"
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_online_prefills_of_many_rows(device):
+    """Prefills of 128 emitting segment rows or more take a block per row (slices in turn) instead
+    of a cluster: 48 requests closing 3 chunks each, twice (the second merging mid-chunk states),
+    then a decode step."""
+    n = 48
+    tw = OnlineTwin(device, num_reqs=n, seed=13, num_locs=32 * 1024)
+    tw.prefill([400] * n)  # chunks closed at 128, 256, 384; a state left at 400
+    tw.prefill([380 + 37 * b % 60 for b in range(n)], gpu_lengths=True)  # closed at 512, 640, 768
+    tw.decode()
+    assert tw.stored_steps >= 2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

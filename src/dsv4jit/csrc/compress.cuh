@@ -22,6 +22,7 @@
 #include "common/plan_structs.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
+#include "common/unit_lane.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
 #include "common/window_softmax.cuh"
@@ -89,26 +90,8 @@ struct Kernels {
   static constexpr int kThreads = kUnitsPerBlock * W::kWarpsPerUnit * kWarpSize;
   static constexpr int kMinBlocks = W::kOverlap ? 0 : 2;  // 0: the compiler's choice
 
-  /// Per-thread coordinates: which unit, which slots, which channels.
-  struct Lane {
-    uint32_t row;
-    int warp_in_unit;
-    int channel;  // first of this lane's C channels
-
-    DSV4_DEV static Lane of(int units_per_block, int warps_per_unit) {
-      const int warp = threadIdx.x / kWarpSize;
-      const uint64_t unit = uint64_t{blockIdx.x} * units_per_block + warp / warps_per_unit;
-      const int slice = static_cast<int>(unit % W::kSlices);
-      return {static_cast<uint32_t>(unit / W::kSlices), warp % warps_per_unit,
-              slice * W::kUnitChannels + static_cast<int>(threadIdx.x % kWarpSize) * C};
-    }
-
-    /// Slices in turn: the block is row blockIdx.x's unit for every slice.
-    DSV4_DEV static Lane of_slice(int slice) {
-      return {blockIdx.x, static_cast<int>(threadIdx.x / kWarpSize),
-              slice * W::kUnitChannels + static_cast<int>(threadIdx.x % kWarpSize) * C};
-    }
-  };
+  /// Per-thread coordinates: which unit, which slots (warp_in_unit), which channels.
+  using Lane = UnitLane<C, W::kSlices>;
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
     if (p.status != nullptr) atomicOr(p.status, bit);
@@ -133,24 +116,15 @@ struct Kernels {
     for (int c = 0; c < C; ++c) kv[c] = 0.0f, z[c] = -INFINITY;
   }
 
-  /// Merges the unit's per-warp partials (through shared memory) into the pooled values of this
-  /// lane's channels; true in the warp that holds them: the unit's first, or with slices in turn
-  /// (one block pools a row's slices one after another) warp `slice`, from one of two buffers,
-  /// so no warp waits on a merge before it loads the next slice. Same merge order either way.
+  /// Merges the unit's per-warp partials (merge_warps) into the pooled values of this lane's
+  /// channels; true in the warp that holds them.
   template <bool kSlicesInTurn>
   static DSV4_DEV bool reduce_unit(const Lane& lane, const SoftmaxPartial<C>& part, float (&v)[C]) {
     SoftmaxPartial<C> total = part;
     if constexpr (W::kWarpsPerUnit > 1) {
-      __shared__ SoftmaxPartial<C> parts[kSlicesInTurn ? 2 : 1][W::kWarpsPerUnit][kWarpSize];
-      const int slice = lane.channel / W::kUnitChannels;
-      const int buffer = kSlicesInTurn ? slice % 2 : 0;
-      const int lane_id = threadIdx.x % kWarpSize;
-      parts[buffer][lane.warp_in_unit][lane_id] = part;
-      __syncthreads();
-      if (lane.warp_in_unit != (kSlicesInTurn ? slice % W::kWarpsPerUnit : 0)) return false;
-      if constexpr (kSlicesInTurn) total = parts[buffer][0][lane_id];
-#pragma unroll
-      for (int w = 1; w < W::kWarpsPerUnit; ++w) merge_into(total, parts[buffer][w][lane_id]);
+      if (!merge_warps<W::kWarpsPerUnit, kSlicesInTurn>(total, lane.warp_in_unit, lane.channel / W::kUnitChannels)) {
+        return false;
+      }
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);

@@ -192,6 +192,16 @@ struct SliceGather {
   }
 };
 
+/// Pools a row's slices in turn in one block (pool_slice(lane, sink) pools one slice as a unit of
+/// the whole block) and gathers them for the store step.
+template <typename Lane, int kHeadDim, int C, typename Sink, typename PoolSlice>
+DSV4_DEV void pool_slices_in_turn(Sink& sink, PoolSlice pool_slice) {
+  __shared__ float row[kHeadDim];
+  SliceGather<Lane, Sink, kHeadDim, kWarpSize * C, C> gather{sink, row};
+#pragma unroll 1
+  for (int slice = 0; slice < Lane::kSlices; ++slice) pool_slice(Lane::of_slice(slice), gather);
+}
+
 /// The ring compressor's passes (compress.cuh): c4 and c128, prefill pool or decode. A c128 row
 /// spans 8 slice units: a cluster of 8 blocks, or (kSlicesInTurn) one block taking them in turn.
 template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode,
@@ -214,10 +224,8 @@ struct RingPass {
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
     if constexpr (kSlicesInTurn) {
-      __shared__ float row[kHeadDim];
-      SliceGather<typename K::Lane, Sink, kHeadDim, W::kUnitChannels, K::C> gather{sink, row};
-#pragma unroll 1
-      for (int slice = 0; slice < W::kSlices; ++slice) pool_unit(c, K::Lane::of_slice(slice), gather);
+      pool_slices_in_turn<typename K::Lane, kHeadDim, K::C>(
+          sink, [&](const typename K::Lane& lane, auto& gather) { pool_unit(c, lane, gather); });
     } else {
       pool_unit(c, K::Lane::of(K::kUnitsPerBlock, W::kWarpsPerUnit), sink);
     }
@@ -267,30 +275,45 @@ using RingPrefill = std::conditional_t<kRatio == 128,
                                               RingPass<kRatio, BufferT, InT, F, kPDL, false, true>, 128>,
                                        PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, false>>>;
 
-/// The online c128 compressor's passes (online.cuh), head_dim 512: prefill pool or decode.
-template <typename BufferT, store::Format F, bool kPDL, bool kDecode>
+/// The online c128 compressor's passes (online.cuh), head_dim 512: prefill pool or decode. A
+/// prefill segment row spans 8 slice units: a cluster of 8 blocks, or (kSlicesInTurn) one block
+/// taking them in turn.
+template <typename BufferT, store::Format F, bool kPDL, bool kDecode, bool kSlicesInTurn = false>
 struct OnlinePass {
-  using Compressor = online::Online<512, BufferT, kPDL>;
+  static constexpr int kHeadDim = 512;
+  using Compressor = online::Online<kHeadDim, BufferT, kPDL>;
   using K = typename Compressor::K;
   using Params = online::Params;
-  using Step = std::conditional_t<kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
-                                  StoreStep<float, F, kPDL, K::kPrefillC, K::kPrefillWarps, 1>>;
+  using Step = std::conditional_t<
+      kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
+      std::conditional_t<kSlicesInTurn, StoreStep<float, F, kPDL, 4, 1, kHeadDim / 128>,
+                         StoreStep<float, F, kPDL, K::kPrefillC, K::kPrefillWarps, 1>>>;
+  static_assert(!kDecode || !kSlicesInTurn, "decode units are single warps");
   static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
   static constexpr int kMinBlocks = kDecode ? 0 : K::kPrefillMinBlocks;
 
   static LaunchShape shape(uint32_t rows) {
+    if constexpr (kSlicesInTurn) return {rows, kThreads};
     return {kDecode ? Compressor::decode_blocks(rows) : rows * Compressor::kPrefillSlices, kThreads, 0,
             Step::kClusterDim};
   }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
+    using Lane = typename K::PrefillLane;
     if constexpr (kDecode) {
       K::decode(c, sink);
+    } else if constexpr (kSlicesInTurn) {
+      pool_slices_in_turn<Lane, kHeadDim, K::kPrefillC>(
+          sink, [&](const Lane& lane, auto& gather) { K::template prefill<false, true>(c, lane, gather); });
     } else {
-      K::template prefill<false>(c, sink);
+      K::template prefill<false>(c, Lane::of(1, K::kPrefillWarps), sink);
     }
   }
 };
+
+/// Online c128 prefill: clusters for a few segment rows, a block per row from 128 (as RingPrefill).
+template <typename BufferT, store::Format F, bool kPDL>
+using OnlinePrefill = ByRows<OnlinePass<BufferT, F, kPDL, false>, OnlinePass<BufferT, F, kPDL, false, true>, 128>;
 
 /// Host entry points over a compressor's prefill and decode pass launchers: every tensor of both
 /// steps is checked before any launch. The compressed rows take the store's dtype (InT).
@@ -347,7 +370,7 @@ struct CompressAndStore : Entry<RingPrefill<kRatio, BufferT, InT, F, kPDL>,
 
 /// compress_and_store(is_online=True): the online c128 state rows, fp32 rows, V4 formats.
 template <typename BufferT, store::Format F, bool kPDL>
-struct OnlineCompressAndStore : Entry<PoolLaunch<OnlinePass<BufferT, F, kPDL, false>>,
+struct OnlineCompressAndStore : Entry<OnlinePrefill<BufferT, F, kPDL>,
                                       PoolLaunch<OnlinePass<BufferT, F, kPDL, true>>, float, F, kPDL, 128> {};
 
 }  // namespace dsv4::fused

@@ -26,6 +26,7 @@
 #include "common/plan_structs.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
+#include "common/unit_lane.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
 #include "common/window_softmax.cuh"
@@ -62,22 +63,9 @@ template <int kHeadDim, typename BufferT, bool kPDL>
 struct Kernels {
   static_assert(kHeadDim % 128 == 0, "online c128 needs head_dim % 128 == 0");
 
-  /// Per-thread coordinates of a unit made of `kUnitWarps` warps covering 32·C channels.
-  template <int C, int kUnitWarps>
-  struct Lane {
-    static constexpr int kSlices = kHeadDim / (kWarpSize * C);
-    uint32_t row;
-    int warp_in_unit;
-    int channel;  // first of this lane's C channels
-
-    DSV4_DEV static Lane of(int units_per_block) {
-      const int warp = threadIdx.x / kWarpSize;
-      const uint64_t unit = uint64_t{blockIdx.x} * units_per_block + warp / kUnitWarps;
-      const int slice = static_cast<int>(unit % kSlices);
-      return {static_cast<uint32_t>(unit / kSlices), warp % kUnitWarps,
-              slice * kWarpSize * C + static_cast<int>(threadIdx.x % kWarpSize) * C};
-    }
-  };
+  /// Per-thread coordinates of a unit covering 32·C channels.
+  template <int C>
+  using Lane = UnitLane<C, kHeadDim / (kWarpSize * C)>;
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
     if (p.status != nullptr) atomicOr(p.status, bit);
@@ -145,12 +133,12 @@ struct Kernels {
   static constexpr int kDecodeC = 4;  // 16-byte lanes: one warp covers 128 channels
   static constexpr int kDecodeUnitsPerBlock = 4;
   static constexpr int kDecodeThreads = kDecodeUnitsPerBlock * kWarpSize;
-  using DecodeLane = Lane<kDecodeC, 1>;
+  using DecodeLane = Lane<kDecodeC>;
 
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, Sink& sink) {
     constexpr int C = kDecodeC;
-    const DecodeLane lane = DecodeLane::of(kDecodeUnitsPerBlock);
+    const DecodeLane lane = DecodeLane::of(kDecodeUnitsPerBlock, 1);
     pdl_wait_upstream<kPDL>();  // plans and inputs may come from the kernels just before
     if (lane.row >= p.num_rows) return;
     const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
@@ -192,17 +180,18 @@ struct Kernels {
   static constexpr int kPrefillWarps = kChunk / kTokensPerWarp;
   static constexpr int kPrefillThreads = kPrefillWarps * kWarpSize;
   static constexpr int kPrefillMinBlocks = 2;
-  using PrefillLane = Lane<kPrefillC, kPrefillWarps>;
+  using PrefillLane = Lane<kPrefillC>;
 
   /// One segment row per unit; kStore: write pass (state -> read_page_0), else pool pass (emits the
   /// pooled row to `sink`). Everything the write pass reads (plan rows, tokens, stored states) is an
   /// input of the step, complete before the pool pass began and written by no kernel running now:
   /// after a pool pass it loads and pools before waiting for it, and only the state store (a row the
-  /// pool pass may read) follows it.
-  template <bool kStore, typename Sink>
-  static DSV4_DEV void prefill(const Params& p, Sink& sink) {
+  /// pool pass may read) follows it. kSlicesInTurn: the block pools the row's slices one after
+  /// another (merge_warps), calling this once per slice.
+  template <bool kStore, bool kSlicesInTurn = false, typename Sink>
+  static DSV4_DEV void prefill(const Params& p, const PrefillLane& lane, Sink& sink) {
     constexpr int C = kPrefillC;
-    const PrefillLane lane = PrefillLane::of(1);
+    const int slice = lane.channel / (kWarpSize * C);
     const bool early = kStore && p.after_pool;
     WaitUpstreamOnExit<kPDL> wait_on_exit{early};
     if (!early) pdl_wait_upstream<kPDL>();
@@ -225,7 +214,7 @@ struct Kernels {
       return;
     }
     if constexpr (!kStore) sink.prepare(lane);
-    const bool lead = lane.warp_in_unit == 0;
+    const bool lead = lane.warp_in_unit == (kSlicesInTurn ? slice % kPrefillWarps : 0);  // the merging warp
     SoftmaxPartial<C> stored;
     if (lead && merge) stored = load_state<C>(p, load_row, lane.channel);  // in flight with the tokens
     float kv[kTokensPerWarp][C], z[kTokensPerWarp][C];
@@ -241,17 +230,9 @@ struct Kernels {
     }
     pdl_launch_dependents<kPDL>();
     SoftmaxPartial<C> part = pool_slots(kv, z);
-    __shared__ SoftmaxPartial<C> parts[kPrefillWarps][kWarpSize];
-    const int lane_id = threadIdx.x % kWarpSize;
-    parts[lane.warp_in_unit][lane_id] = part;
-    __syncthreads();
-    if (lead) {
-#pragma unroll
-      for (int w = 1; w < kPrefillWarps; ++w) merge_into(part, parts[w][lane_id]);
-      if (merge) {  // the stored partial covers the chunk's earlier tokens
-        merge_into(stored, part);
-        part = stored;
-      }
+    if (merge_warps<kPrefillWarps, kSlicesInTurn>(part, lane.warp_in_unit, slice) && merge) {
+      merge_into(stored, part);  // the stored partial covers the chunk's earlier tokens
+      part = stored;
     }
     if constexpr (kStore) {
       pdl_wait_upstream<kPDL>();  // the pool pass has read every stored state
@@ -274,7 +255,7 @@ __global__ __launch_bounds__(K::kDecodeThreads) void decode_kernel(const __grid_
 template <typename K, bool kStore>
 __global__ __launch_bounds__(K::kPrefillThreads, K::kPrefillMinBlocks) void prefill_kernel(const __grid_constant__ Params p) {
   typename K::OutputRows sink{p};  // the pool pass's (the write pass emits nothing)
-  K::template prefill<kStore>(p, sink);
+  K::template prefill<kStore>(p, K::PrefillLane::of(1, K::kPrefillWarps), sink);
 }
 
 /// Host entry points of one instantiation (checks every tensor before any launch).

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "types.cuh"
+#include "warp.cuh"
 
 namespace dsv4 {
 
@@ -57,6 +58,24 @@ DSV4_DEV void merge_into(SoftmaxPartial<C>& a, const SoftmaxPartial<C>& b) {
     a.acc[c] = a.acc[c] * wa + b.acc[c] * wb;
     a.max[c] = m;
   }
+}
+
+/// Merges the partials of a unit's kWarps warps (one block's warps, through shared memory) into
+/// `part` of the merging warp, warp 0's first and the others in warp order; true in that warp.
+/// kSlicesInTurn (the block pools a row's slices one after another): slice s merges in warp
+/// s % kWarps from buffer s % 2, so no warp waits on a merge before it loads the next slice.
+template <int kWarps, bool kSlicesInTurn, int C>
+DSV4_DEV bool merge_warps(SoftmaxPartial<C>& part, int warp_in_unit, int slice) {
+  __shared__ SoftmaxPartial<C> parts[kSlicesInTurn ? 2 : 1][kWarps][kWarpSize];
+  const int buffer = kSlicesInTurn ? slice % 2 : 0;
+  const int lane_id = threadIdx.x % kWarpSize;
+  parts[buffer][warp_in_unit][lane_id] = part;
+  __syncthreads();
+  if (warp_in_unit != (kSlicesInTurn ? slice % kWarps : 0)) return false;
+  if constexpr (kSlicesInTurn) part = parts[buffer][0][lane_id];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) merge_into(part, parts[buffer][w][lane_id]);
+  return true;
 }
 
 template <int C>
