@@ -318,7 +318,7 @@ __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(cons
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
-struct Compress {
+struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>, WritePlan> {
   using K = Kernels<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>;
   using W = typename K::W;
   static constexpr const char* kOp = "compress_forward";
@@ -349,26 +349,6 @@ struct Compress {
     return p;
   }
 
-  /// Checked parameters of a prefill call: the pool pass over plan_c (num_rows), plan_w in p.plan_w
-  /// (its row count in `rows_w`).
-  static Params prefill_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
-                               const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w,
-                               const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
-    Size input_rows{"num_q_tokens"};
-    Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    set_prefill_plans<WritePlan>(p, op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
-    return p;
-  }
-
-  /// Checked parameters of a decode call (one plan row and one input row per request).
-  static Params decode_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
-                              const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
-                              Size& batch) {
-    Params p = common(op, dev, state, input, ape, out, status, batch, batch);
-    set_decode_plan(p, op, dev, plan_d, batch);
-    return p;
-  }
-
   static unsigned blocks(uint64_t rows, int units_per_block) { return div_ceil(rows * W::kSlices, units_per_block); }
 
   /// The write pass over `rows_w` plan_w rows (after the pool pass over p.num_rows rows, in stream
@@ -383,7 +363,7 @@ struct Compress {
                       TensorView plan_w, TensorView out, Optional<TensorView> status) {
     Device dev;
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Params p = prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
+    Params p = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
                               rows_w);
     p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
@@ -394,7 +374,7 @@ struct Compress {
                      TensorView out, Optional<TensorView> status) {
     Device dev;
     Size batch{"batch_size"};
-    Params p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
+    Params p = Compress::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
     p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
   }

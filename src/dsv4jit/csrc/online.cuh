@@ -260,7 +260,7 @@ __global__ __launch_bounds__(K::kPrefillThreads, K::kPrefillMinBlocks) void pref
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kHeadDim, typename BufferT, bool kPDL>
-struct Online {
+struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
   using K = Kernels<kHeadDim, BufferT, kPDL>;
   static constexpr const char* kOp = "compress_forward";
   static constexpr int kPrefillSlices = K::PrefillLane::kSlices;
@@ -290,26 +290,6 @@ struct Online {
     return p;
   }
 
-  /// Checked parameters of a prefill call: the pool pass over plan_c (num_rows), plan_w in
-  /// p.plan_w (its row count in `rows_w`).
-  static Params prefill_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
-                               const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w,
-                               const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
-    Size input_rows{"num_q_tokens"};
-    Params p = common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    set_prefill_plans<CompressPlan>(p, op, dev, plan_c, plan_w, rows_c, rows_w, input_rows.value);
-    return p;
-  }
-
-  /// Checked parameters of a decode call (one plan row and one input row per request).
-  static Params decode_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
-                              const TensorView& ape, const TensorView& plan_d, const TensorView* out, int32_t* status,
-                              Size& batch) {
-    Params p = common(op, dev, state, input, ape, out, status, batch, batch);
-    set_decode_plan(p, op, dev, plan_d, batch);
-    return p;
-  }
-
   static unsigned decode_blocks(uint32_t rows) {
     return div_ceil(uint64_t{rows} * K::DecodeLane::kSlices, K::kDecodeUnitsPerBlock);
   }
@@ -326,7 +306,7 @@ struct Online {
                       TensorView plan_w, TensorView out, Optional<TensorView> status) {
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
     Device dev;
-    Params p = prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
+    Params p = Online::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
                               rows_w);
     p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, false>, p);
@@ -337,7 +317,7 @@ struct Online {
                      TensorView out, Optional<TensorView> status) {
     Size batch{"batch_size"};
     Device dev;
-    Params p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
+    Params p = Online::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
     p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {decode_blocks(p.num_rows), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
   }
