@@ -11,8 +11,8 @@
 //             partials through shared memory
 //   block units (c128, online prefill): a block holds one 64-dim tile (lane l: 2 channels); the
 //             row's 8 blocks form a thread-block cluster and share partials through distributed
-//             shared memory; or, for ring c128 prefills of many rows, one block pools the 8
-//             slices in turn, gathers the row in shared memory and stores it as one-warp chunks
+//             shared memory; or, for prefills of many rows (ring or online), one block pools the
+//             8 slices in turn, gathers the row in shared memory and stores it as one-warp chunks
 // The norm weight and rope values are prefetched with cp.async as soon as the plan row is read,
 // overlapping the window loads.
 //
@@ -311,7 +311,8 @@ struct OnlinePass {
   }
 };
 
-/// Online c128 prefill: clusters for a few segment rows, a block per row from 128 (as RingPrefill).
+/// Online c128 prefill: clusters for a few segment rows, a block per row from 128 (as RingPrefill;
+/// measured at 32768 tokens, 256 rows: 43.0 vs 66.6-67.0 us).
 template <typename BufferT, store::Format F, bool kPDL>
 using OnlinePrefill = ByRows<OnlinePass<BufferT, F, kPDL, false>, OnlinePass<BufferT, F, kPDL, false, true>, 128>;
 
