@@ -215,7 +215,12 @@ struct RingPass {
   using Step = std::conditional_t<kSlicesInTurn, StoreStep<InT, F, kPDL, 4, 1, kHeadDim / 128>,
                                   StoreStep<InT, F, kPDL, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>>;
   static_assert(!kSlicesInTurn || K::kUnitsPerBlock == 1, "slices in turn take a block per unit");
-  static constexpr int kThreads = K::kThreads, kMinBlocks = K::kMinBlocks;
+  static constexpr int kThreads = K::kThreads;
+  // A c4 prefill warp's store tail holds its registers with no load in flight. For V4 rows (4
+  // warps that exchange partials) 6 blocks per SM (80 registers, 48 bytes of spills) keep more
+  // loads in flight than the compiler's 5 (86 registers): 1x8192 tokens 29.3-29.5 -> 27.2 us,
+  // 1x32768 93.8-94.4 -> 87.0 us. Indexer rows (one warp each) measured slower with it.
+  static constexpr int kMinBlocks = kRatio == 4 && !kDecode && kHeadDim == 512 ? 6 : K::kMinBlocks;
 
   static LaunchShape shape(uint32_t rows) {
     if constexpr (kSlicesInTurn) return {rows, kThreads};
@@ -254,7 +259,10 @@ struct PoolLaunch {
 /// Ring c128 prefill: a cluster of slice blocks per row for a few rows (more SMs per row); from
 /// kManyRows rows, a block per row taking its slices in turn: no cluster scheduling and one store
 /// tail per row, not per slice (measured: 8192 tokens 16.3 vs 22.1 us, 32768 tokens 57.2 vs 42.9).
-/// Decode keeps the cluster: an off-boundary row there is one token write, not 8 slices in turn.
+/// Decode keeps the cluster. Measured with a block per request from 128 requests, an off-boundary
+/// request written by the whole block in one round trip: B=256 all off a boundary 1.4 vs 12.2 us,
+/// all at one 45.7 vs 55.1 us; but each boundary request is then 8 dependent slices (about 22 us),
+/// and a decode step of 128+ requests at random positions almost always has one.
 template <typename Few, typename Many, uint32_t kManyRows>
 struct ByRows {
   using Compressor = typename Few::Compressor;
