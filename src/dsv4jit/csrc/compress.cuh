@@ -122,9 +122,8 @@ struct Kernels {
   static DSV4_DEV bool reduce_unit(const Lane& lane, const SoftmaxPartial<C>& part, float (&v)[C]) {
     SoftmaxPartial<C> total = part;
     if constexpr (W::kWarpsPerUnit > 1) {
-      if (!merge_warps<W::kWarpsPerUnit, kSlicesInTurn>(total, lane.warp_in_unit, lane.channel / W::kUnitChannels)) {
-        return false;
-      }
+      const int slice = lane.channel / W::kUnitChannels;
+      if (!merge_warps<W::kWarpsPerUnit, kSlicesInTurn>(total, lane.warp_in_unit, slice)) return false;
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);
@@ -363,8 +362,8 @@ struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kP
                       TensorView plan_w, TensorView out, Optional<TensorView> status) {
     Device dev;
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Params p = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
-                              rows_w);
+    Params p = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out,
+                                        nullptr, rows_c, rows_w);
     p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
     launch_write(kOp, dev, p, rows_w.value);

@@ -256,9 +256,9 @@ struct PoolLaunch {
   }
 };
 
-/// Ring c128 prefill: a cluster of slice blocks per row for a few rows (more SMs per row); from
-/// kManyRows rows, a block per row taking its slices in turn: no cluster scheduling and one store
-/// tail per row, not per slice (measured: 8192 tokens 16.3 vs 22.1 us, 32768 tokens 57.2 vs 42.9).
+/// c128 prefill (ring or online): a cluster of slice blocks per row for a few rows (more SMs per
+/// row); from kManyRows rows, a block per row taking its slices in turn: no cluster scheduling and one store
+/// tail per row, not per slice (measured, ring: 8192 tokens 16.3 vs 22.1 us, 32768 tokens 57.2 vs 42.9).
 /// Decode keeps the cluster. Measured with a block per request from 128 requests, an off-boundary
 /// request written by the whole block in one round trip: B=256 all off a boundary 1.4 vs 12.2 us,
 /// all at one 45.7 vs 55.1 us; but each boundary request is then 8 dependent slices (about 22 us),

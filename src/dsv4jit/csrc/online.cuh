@@ -214,7 +214,7 @@ struct Kernels {
       return;
     }
     if constexpr (!kStore) sink.prepare(lane);
-    const bool lead = lane.warp_in_unit == (kSlicesInTurn ? slice % kPrefillWarps : 0);  // the merging warp
+    const bool lead = lane.warp_in_unit == merging_warp<kPrefillWarps, kSlicesInTurn>(slice);
     SoftmaxPartial<C> stored;
     if (lead && merge) stored = load_state<C>(p, load_row, lane.channel);  // in flight with the tokens
     float kv[kTokensPerWarp][C], z[kTokensPerWarp][C];
@@ -306,8 +306,8 @@ struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
                       TensorView plan_w, TensorView out, Optional<TensorView> status) {
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
     Device dev;
-    Params p = Online::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr, rows_c,
-                              rows_w);
+    Params p = Online::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr,
+                                      rows_c, rows_w);
     p.status = status_words(kOp, dev, status);
     launch(kOp, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, false>, p);
     launch_write(kOp, dev, p, rows_w.value);

@@ -18,7 +18,8 @@ struct UnitLane {
   DSV4_DEV static UnitLane of(int units_per_block, int warps_per_unit) {
     const int warp = threadIdx.x / kWarpSize;
     const uint64_t unit = uint64_t{blockIdx.x} * units_per_block + warp / warps_per_unit;
-    return {static_cast<uint32_t>(unit / kSlices), warp % warps_per_unit, first_channel(static_cast<int>(unit % kSlices))};
+    const int slice = static_cast<int>(unit % kSlices);
+    return {static_cast<uint32_t>(unit / kSlices), warp % warps_per_unit, first_channel(slice)};
   }
 
   /// Slices in turn: the block is row blockIdx.x's unit for every slice.

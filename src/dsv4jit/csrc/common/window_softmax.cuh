@@ -60,10 +60,17 @@ DSV4_DEV void merge_into(SoftmaxPartial<C>& a, const SoftmaxPartial<C>& b) {
   }
 }
 
+/// The warp of a unit that merges its partials (merge_warps): warp 0, or with slices in turn (the
+/// block pools a row's slices one after another) warp s % kWarps for slice s, so no warp waits on
+/// a merge before it loads the next slice.
+template <int kWarps, bool kSlicesInTurn>
+DSV4_DEV constexpr int merging_warp(int slice) {
+  return kSlicesInTurn ? slice % kWarps : 0;
+}
+
 /// Merges the partials of a unit's kWarps warps (one block's warps, through shared memory) into
 /// `part` of the merging warp, warp 0's first and the others in warp order; true in that warp.
-/// kSlicesInTurn (the block pools a row's slices one after another): slice s merges in warp
-/// s % kWarps from buffer s % 2, so no warp waits on a merge before it loads the next slice.
+/// With slices in turn, slice s uses buffer s % 2 (the previous slice's may still be read).
 template <int kWarps, bool kSlicesInTurn, int C>
 DSV4_DEV bool merge_warps(SoftmaxPartial<C>& part, int warp_in_unit, int slice) {
   __shared__ SoftmaxPartial<C> parts[kSlicesInTurn ? 2 : 1][kWarps][kWarpSize];
@@ -71,7 +78,7 @@ DSV4_DEV bool merge_warps(SoftmaxPartial<C>& part, int warp_in_unit, int slice) 
   const int lane_id = threadIdx.x % kWarpSize;
   parts[buffer][warp_in_unit][lane_id] = part;
   __syncthreads();
-  if (warp_in_unit != (kSlicesInTurn ? slice % kWarps : 0)) return false;
+  if (warp_in_unit != merging_warp<kWarps, kSlicesInTurn>(slice)) return false;
   if constexpr (kSlicesInTurn) part = parts[buffer][0][lane_id];
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) merge_into(part, parts[buffer][w][lane_id]);
