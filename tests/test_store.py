@@ -547,8 +547,9 @@ IDX_FP4_MANY = Fmt("indexer_fp4", 128, 4, 64, 40, use_fp4=True)
                          + [(IDX_FP8_MANY, 2053), (IDX_FP4_MANY, 2053)],
                          ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
 def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, device):
-    """Indexer rows take 16 lanes (8 for fp8 batches above 2048 rows), several to a warp: counts
-    that leave a warp or a block part empty, on both sides of that threshold."""
+    """Indexer rows take 16 lanes (8 for fp8 batches above 2048 rows, where fp4 codes come from a
+    table), several to a warp: counts that leave a warp or a block part empty, on both sides of that
+    threshold."""
     case = make_case(fmt, torch.float32, decode, torch.int32, seed=7000 + rows + 100 * decode, rows=rows)
     check_store(case, run_public(case, device), run_reference(case))
 
@@ -928,21 +929,24 @@ def test_checks_reject_wrong_stores(corruption, device):
 
 @pytest.mark.parametrize("device", CUDA_ONLY)
 def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
-    """The kernels' e2m1 codec (from 1 up it rounds the fp32 mantissa bits) against
-    reference.quant.fp4_encode (the threshold rule of §F.5) on all 2^32 fp32 bit patterns:
-    ties, subnormals, ±0, infinities and NaNs included."""
+    """The kernels' e2m1 codecs (fp4_code: from 1 up it rounds the fp32 mantissa bits; its table, by
+    the fp32 bits' exponent and two leading mantissa bits) against reference.quant.fp4_encode (the
+    threshold rule of §F.5) on all 2^32 fp32 bit patterns: ties, subnormals, ±0, infinities and NaNs
+    included."""
     dev = torch.device(device, torch.cuda.current_device())
     codes = runtime.function("store", "fp4_codes", dev, dtype="fp32", format="indexer_fp4")
     chunk = 1 << 28
-    out = torch.full((chunk,), 0xFF, dtype=torch.uint8, device=dev)
+    out = torch.full((chunk, 2), 0xFF, dtype=torch.uint8, device=dev)
     for start in range(0, 1 << 32, chunk):
         bits = torch.arange(start, start + chunk, dtype=torch.int64, device=dev)
         x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
         codes(x, out)
         expected = fp4_encode(x)
-        bad = (out != expected).nonzero()
-        assert bad.numel() == 0, (f"{bad.numel()} codes differ from {start:#010x} on, first at bit pattern "
-                                  f"{start + int(bad[0]):#010x}: {int(out[bad[0]])} != {int(expected[bad[0]])}")
+        for col, codec in enumerate(("fp4_code", "table")):
+            bad = (out[:, col] != expected).nonzero()
+            assert bad.numel() == 0, (f"{codec}: {bad.numel()} codes differ from {start:#010x} on, first at bit "
+                                      f"pattern {start + int(bad[0]):#010x}: {int(out[bad[0], col])} != "
+                                      f"{int(expected[bad[0]])}")
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY)

@@ -139,10 +139,10 @@ struct StoreStep {
       }
       const float scale = S::rms_scale(p, total);
       if constexpr (kCluster) {
-        S::store_tile(p, slice, x, w, scale, f, loc, l);
+        S::store_tile(S::slot_at(p, loc), slice, x, w, scale, f, l);
       } else {
         S::normalize_group(l + kWarpSize * slice, x, w, scale, f);
-        S::store_chunk(p, slice, x, loc, l);
+        S::store_chunk(S::slot_at(p, loc), slice, x, l);
       }
     }
   };

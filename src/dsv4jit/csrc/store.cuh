@@ -77,7 +77,10 @@ struct Params {
   bool is_decode;
 };
 
-template <typename DType, Format F, bool kPDL, int kLanes = kWarpSize>  // kLanes: lanes per row
+/// kLanes: lanes per row; kFp4Table: fp4 codes by table (Fp4CodeTable) in shared memory, several
+/// instructions a value fewer than fp4_code() once the table is in (copying it in first costs a
+/// round trip, measured 0.2 us more than fp4_code() for 16 rows).
+template <typename DType, Format F, bool kPDL, int kLanes = kWarpSize, bool kFp4Table = false>
 struct Kernel {
   using L = Layout<F>;
   static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 8 || kLanes == 16)),
@@ -89,17 +92,15 @@ struct Kernel {
   static constexpr int kSpan = kWarpSize / kLanes;                // of them within one 128-channel chunk
   static constexpr int kRopeLane = (L::kHeadDim - kRopeDim) / 4;  // first virtual lane of the rope dims
 
+  struct Empty {};
+
+  /// fp4_code() as a codec argument (the alternative to the table).
+  struct Fp4ByRule {
+    DSV4_DEV uint32_t operator()(float u) const { return fp4_code(u); }
+  };
+
   /// Whether group g of some lane holds rope dims.
   static constexpr bool may_rope(int g) { return kLanes * (g + 1) > kRopeLane; }
-
-  /// The lanes of this thread's row: its reductions shuffle among them only, so rows leave alone.
-  static DSV4_DEV unsigned row_mask() {
-    if constexpr (kLanes == kWarpSize) {
-      return kFullMask;
-    } else {
-      return ((1u << kLanes) - 1) << (threadIdx.x % kWarpSize & ~(kLanes - 1));
-    }
-  }
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
     if (p.status != nullptr && threadIdx.x % kLanes == 0) atomicOr(p.status, bit);
@@ -109,14 +110,15 @@ struct Kernel {
     return p.loc64 ? static_cast<const int64_t*>(p.out_loc)[i] : static_cast<const int32_t*>(p.out_loc)[i];
   }
 
-  /// The plan side of locate(): whether `row` is stored, its rope position, and its cache location.
-  /// The location load is only issued here (first used by check()), so callers can overlap it.
+  /// The plan side of which rows are stored: whether `row` is, its rope position and its cache
+  /// location. The location load is only issued here (first used by check()), so callers can
+  /// overlap it.
   static DSV4_DEV bool select(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
     uint32_t seq_len;
     if (p.is_decode) {
       seq_len = static_cast<const DecodePlan*>(p.plan)[row].seq_len;
       loc = load_loc(p, row);  // decode locations do not depend on the plan: load in parallel
-      if (seq_len % p.ratio != 0) return false;  // no compress event this step
+      if ((seq_len & (p.ratio - 1)) != 0) return false;  // no compress event this step (R: 4 or 128)
     } else {
       const CompressPlan c = static_cast<const CompressPlan*>(p.plan)[row];
       if (c.is_invalid()) return false;
@@ -136,26 +138,43 @@ struct Kernel {
   /// False (and reported) when the location or the rope position lies outside the cache or the
   /// freq table: the row is skipped, nothing is written out of bounds.
   static DSV4_DEV bool check(const Params& p, int64_t loc, int64_t position) {
-    const int32_t bad = (loc < 0 || loc >= p.num_locs) ? kLocOutOfRange
-                        : !position_ok(p, position)      ? kPositionOutOfRange
-                                                         : 0;
+    const int32_t bad = static_cast<uint64_t>(loc) >= static_cast<uint64_t>(p.num_locs) ? kLocOutOfRange
+                        : !position_ok(p, position)                                     ? kPositionOutOfRange
+                                                                                        : 0;
     if (bad != 0) report(p, bad);
     return bad == 0;
   }
 
-  /// Which rows are stored, where, and at which rope position; false to skip the row.
-  static DSV4_DEV bool locate(const Params& p, uint32_t row, int64_t& loc, int64_t& position) {
-    return select(p, row, loc, position) && check(p, loc, position);
+  /// Where a token's bytes go in its page: the data row and the scale row.
+  struct Slot {
+    uint8_t* data;
+    uint8_t* scales;
+  };
+
+  static DSV4_DEV Slot slot_at(const Params& p, int64_t loc) {
+    uint8_t* page = p.cache + (loc >> p.log2_page_size) * p.page_bytes;
+    const int64_t slot = loc & ((int64_t{1} << p.log2_page_size) - 1);
+    return {page + slot * L::kDataBytes, page + (int64_t{L::kDataBytes} << p.log2_page_size) + slot * L::kScaleBytes};
   }
 
   static DSV4_DEV void run(const Params& p) {
     const int j = threadIdx.x % kLanes;
     const uint32_t row = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
+    // The table is copied first: behind the row's loads, its barrier measured slower (it holds
+    // back whole blocks).
+    __shared__ std::conditional_t<kFp4Table, Fp4CodeTable, Empty> fp4_table;
+    if constexpr (kFp4Table) {
+      static_assert(F == Format::kIndexerFp4 && sizeof(Fp4CodeTable) == kWarps * kWarpSize * sizeof(uint4),
+                    "fp4 only; one 16-byte piece per thread");
+      reinterpret_cast<uint4*>(fp4_table.code)[threadIdx.x] = reinterpret_cast<const uint4*>(kFp4Codes.code)[threadIdx.x];
+      __syncthreads();
+    }
     pdl_wait_upstream<kPDL>();
-    if (row >= p.rows) return;
     // The row and the weight do not depend on the plan: their loads go out first, in parallel
-    // with the plan -> out_loc -> rope-table chain.
-    const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{row} * L::kHeadDim;
+    // with the plan -> out_loc -> rope-table chain. Whole warps stay together to the end (their
+    // reductions shuffle over the full mask): a row that is not stored runs along (rows past the
+    // end on the last one) and skips its stores.
+    const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{min(row, p.rows - 1)} * L::kHeadDim;
     const DType* w_row = static_cast<const DType*>(p.norm_weight);
     Vec<DType, 4> xv[kGroups], wv[kGroups];
 #pragma unroll
@@ -163,19 +182,21 @@ struct Kernel {
       xv[g] = load_vec<4>(x_row + 4 * (j + kLanes * g));
       wv[g] = load_vec<4>(w_row + 4 * (j + kLanes * g));
     }
-    int64_t loc, position;
-    if (!locate(p, row, loc, position)) return;
+    // The location and the rope-table row depend on the plan row only: both loads go out as soon
+    // as it is in, and the RMS scale runs while they are in flight.
+    int64_t loc = 0, position = 0;
+    const bool selected = row < p.rows && select(p, row, loc, position);
+    if (!__any_sync(kFullMask, selected)) return;
     float f[kGroups][4] = {};
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const int v = j + kLanes * g;
-      if (may_rope(g) && v >= kRopeLane) {
+      if (may_rope(g) && v >= kRopeLane && selected && position_ok(p, position)) {
         const Vec<float, 4> fv = load_vec<4>(p.freq + position * kRopeDim + 4 * (v - kRopeLane));
 #pragma unroll
         for (int c = 0; c < 4; ++c) f[g][c] = fv[c];
       }
     }
-    pdl_launch_dependents<kPDL>();
     float x[kGroups][4], w[kGroups][4];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -185,11 +206,27 @@ struct Kernel {
     const float r = rms_scale(p, sum_squares(x));
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) normalize_group(j + kLanes * g, x[g], w[g], r, f[g]);
+    // Only the writes need the location: the check waits for it last.
     if constexpr (L::kIndexer) {
-      store_indexer(p, x, loc, j);
+      IndexerCodes codes;
+      if constexpr (kFp4Table) {
+        codes = encode_indexer(x, j, fp4_table);
+      } else {
+        codes = encode_indexer(x, j, Fp4ByRule{});
+      }
+      const bool stored = selected && check(p, loc, position);
+      if (!__any_sync(kFullMask, stored)) return;
+      pdl_launch_dependents<kPDL>();
+      if (stored) write_indexer(slot_at(p, loc), j, codes);
     } else {
+      V4Dims<4> encoded[kGroups];
 #pragma unroll
-      for (int g = 0; g < kGroups; ++g) store_chunk(p, g, x[g], loc, j);
+      for (int g = 0; g < kGroups; ++g) encoded[g] = encode_v4(128 * g + 4 * j, x[g]);
+      if (!selected || !check(p, loc, position)) return;  // a row per warp: uniform
+      pdl_launch_dependents<kPDL>();
+      const Slot slot = slot_at(p, loc);
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) write_v4(slot, 128 * g + 4 * j, encoded[g]);
     }
   }
 
@@ -220,7 +257,7 @@ struct Kernel {
     }
     float s = t[0];
 #pragma unroll
-    for (int m = kLanes / 2; m > 0; m /= 2) s = __fadd_rn(s, __shfl_xor_sync(row_mask(), s, m));
+    for (int m = kLanes / 2; m > 0; m /= 2) s = __fadd_rn(s, __shfl_xor_sync(kFullMask, s, m));
     return s;
   }
 
@@ -267,86 +304,114 @@ struct Kernel {
     }
   }
 
-  /// Quantizes a normalized chunk k of the 32-lane layout and stores it (with its scales) at
-  /// cache location `loc`.
-  static DSV4_DEV void store_chunk(const Params& p, int k, float (&x)[4], int64_t loc, int lane) {
+  /// Quantizes a normalized chunk k of the 32-lane layout and stores it (with its scales) in `slot`.
+  static DSV4_DEV void store_chunk(const Slot& slot, int k, float (&x)[4], int lane) {
     static_assert(kLanes == kWarpSize, "rows held by a warp");
     if constexpr (L::kIndexer) {
-      store_indexer(p, reinterpret_cast<float(&)[1][4]>(x), loc, lane);
+      float(&v)[1][4] = reinterpret_cast<float(&)[1][4]>(x);
+      write_indexer(slot, lane, encode_indexer(v, lane, Fp4ByRule{}));
     } else {
-      store_v4(p, loc, 128 * k + 4 * lane, x);
+      write_v4(slot, 128 * k + 4 * lane, encode_v4(128 * k + 4 * lane, x));
     }
   }
 
-  /// Stores N consecutive dims (from `dim`) of a normalized V4 row, N per lane over a warp, so a
-  /// 64-dim tile spans 64 / N lanes: bf16_store as bf16; V4 latent as e4m3 of the bf16-rounded
-  /// values with one UE8M0 scale per tile (every lane joins the reduction), the rope dims as bf16.
+  /// N consecutive dims of a normalized V4 row as stored: bf16, and for the V4 latent's dims
+  /// without rope their e4m3 codes and the tile's UE8M0 exponent.
   template <int N>
-  static DSV4_DEV void store_v4(const Params& p, int64_t loc, int dim, const float (&x)[N]) {
-    uint8_t* page = page_of(p, loc);
-    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
-    Vec<bf16_t, N> b;
+  struct V4Dims {
+    Vec<bf16_t, N> bf16;
+    uint32_t codes;
+    int e;
+  };
+
+  /// Encodes N consecutive dims (from `dim`) of a normalized V4 row, N per lane over a warp, so a
+  /// 64-dim tile spans 64 / N lanes (every lane joins the tile's reduction): bf16_store and the
+  /// rope dims as bf16; the others as e4m3 of the bf16-rounded values with one UE8M0 scale per tile.
+  template <int N>
+  static DSV4_DEV V4Dims<N> encode_v4(int dim, const float (&x)[N]) {
+    static_assert(N % 2 == 0, "pairs of dims");
+    V4Dims<N> out{};
 #pragma unroll
-    for (int c = 0; c < N; ++c) b[c] = __float2bfloat16_rn(x[c]);
-    if constexpr (F == Format::kV4Bf16) {
-      store_vec(reinterpret_cast<bf16_t*>(page + slot * 1024) + dim, b);
-    } else {
-      constexpr int kNope = L::kHeadDim - kRopeDim;
+    for (int c = 0; c < N; c += 2) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(x[c], x[c + 1]);
+      out.bf16[c] = pair.x, out.bf16[c + 1] = pair.y;
+    }
+    if constexpr (F == Format::kV4Fp8) {
       float q[N], amax = 0.0f;
 #pragma unroll
-      for (int c = 0; c < N; ++c) q[c] = __bfloat162float(b[c]), amax = fmaxf(amax, fabsf(q[c]));
-      amax = reduce_amax(amax, 64 / N, kFullMask);
-      if (dim >= kNope) {
-        store_vec(reinterpret_cast<bf16_t*>(page + slot * 576 + kNope) + (dim - kNope), b);
-        return;
-      }
-      const int e = v4_exponent(amax);
-      uint32_t packed = 0;
+      for (int c = 0; c < N; ++c) q[c] = __bfloat162float(out.bf16[c]), amax = fmaxf(amax, fabsf(q[c]));
+      out.e = v4_exponent(reduce_amax(amax, 64 / N));
+      const float inv = exp2_int(127 - out.e);
 #pragma unroll
-      for (int c = 0; c < N; ++c) packed |= uint32_t{v4_code(q[c], e)} << (8 * c);
+      for (int c = 0; c < N; c += 2) out.codes |= uint32_t{e4m3x2_codes(q[c] * inv, q[c + 1] * inv)} << (8 * c);
+    }
+    return out;
+  }
+
+  /// Writes what encode_v4 made of the dims from `dim` into `slot`.
+  template <int N>
+  static DSV4_DEV void write_v4(const Slot& slot, int dim, const V4Dims<N>& d) {
+    constexpr int kNope = L::kHeadDim - kRopeDim;
+    if constexpr (F == Format::kV4Bf16) {
+      store_vec(reinterpret_cast<bf16_t*>(slot.data) + dim, d.bf16);
+    } else if (dim >= kNope) {
+      store_vec(reinterpret_cast<bf16_t*>(slot.data + kNope) + (dim - kNope), d.bf16);
+    } else {
       using Codes = std::conditional_t<N == 4, uint32_t, uint16_t>;
-      *reinterpret_cast<Codes*>(page + slot * 576 + dim) = static_cast<Codes>(packed);
-      if (dim % 64 == 0) page[page_size * 576 + slot * 8 + dim / 64] = static_cast<uint8_t>(e);
+      *reinterpret_cast<Codes*>(slot.data + dim) = static_cast<Codes>(d.codes);
+      if (dim % 64 == 0) slot.scales[dim / 64] = static_cast<uint8_t>(d.e);
     }
   }
 
-  /// Hadamard transform, quantization and store of a normalized indexer row held by `kLanes`
-  /// lanes (lane j, group w: virtual lane j + kLanes·w).
-  static DSV4_DEV void store_indexer(const Params& p, float (&v)[kSpan][4], int64_t loc, int j) {
-    uint8_t* page = page_of(p, loc);
-    const int64_t page_size = int64_t{1} << p.log2_page_size, slot = slot_of(p, loc);
+  /// An indexer row as stored, per lane: the codes of its groups (fp8: 4 e4m3 bytes; fp4: 4 e2m1
+  /// nibbles) and the scales (fp8: the row's fp32 scale; fp4: the UE8M0 exponent of each group).
+  struct IndexerCodes {
+    uint32_t codes[kSpan];
+    uint32_t scales[kSpan];
+  };
+
+  /// Hadamard transform and quantization of a normalized indexer row held by `kLanes` lanes
+  /// (lane j, group w: virtual lane j + kLanes·w); `fp4`: the e2m1 codec (fp4_code, or its table).
+  template <typename Fp4Codec>
+  static DSV4_DEV IndexerCodes encode_indexer(float (&v)[kSpan][4], int j, const Fp4Codec& fp4) {
     hadamard128(v, j);
     if constexpr (F == Format::kIndexerFp8) {
-      store_indexer_fp8(v, j, page + slot * 128, page + page_size * 128 + slot * 4);
+      return encode_indexer_fp8(v);
     } else {
-      store_indexer_fp4(v, j, page + slot * 64, page + page_size * 64 + slot * 4);
+      return encode_indexer_fp4(v, fp4);
+    }
+  }
+
+  /// Writes lane j's part of an encoded indexer row into `slot`.
+  static DSV4_DEV void write_indexer(const Slot& slot, int j, const IndexerCodes& c) {
+#pragma unroll
+    for (int w = 0; w < kSpan; ++w) {
+      const int lane = j + kLanes * w;  // virtual lane
+      if constexpr (F == Format::kIndexerFp8) {
+        *reinterpret_cast<uint32_t*>(slot.data + 4 * lane) = c.codes[w];
+        if (lane == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[w];
+      } else {
+        *reinterpret_cast<uint16_t*>(slot.data + 2 * lane) = static_cast<uint16_t>(c.codes[w]);
+        if (lane % 8 == 0) slot.scales[lane / 8] = static_cast<uint8_t>(c.scales[w]);
+      }
     }
   }
 
   /// One 64-dim tile of a V4 row, held by 32 lanes x 2 channels (lane l: dims 64·tile + 2l, +1):
-  /// the bytes store_chunk writes for that tile, given the row's RMS scale `r` (c128 fused path).
-  static DSV4_DEV void store_tile(const Params& p, int tile, float (&x)[2], const float (&w)[2], float r,
-                                  const float (&freq)[2], int64_t loc, int lane) {
+  /// the bytes run() writes for that tile, given the row's RMS scale `r` (c128 fused path).
+  static DSV4_DEV void store_tile(const Slot& slot, int tile, float (&x)[2], const float (&w)[2], float r,
+                                  const float (&freq)[2], int lane) {
     static_assert(!L::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
 #pragma unroll
     for (int c = 0; c < 2; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
     if (tile == L::kHeadDim / 64 - 1) rotate(x[0], x[1], freq[0], freq[1]);
-    store_v4(p, loc, 64 * tile + 2 * lane, x);
+    write_v4(slot, 64 * tile + 2 * lane, encode_v4(64 * tile + 2 * lane, x));
   }
-
-  static DSV4_DEV uint8_t* page_of(const Params& p, int64_t loc) {
-    return p.cache + (loc >> p.log2_page_size) * p.page_bytes;
-  }
-  static DSV4_DEV int64_t slot_of(const Params& p, int64_t loc) { return loc & ((int64_t{1} << p.log2_page_size) - 1); }
 
   /// UE8M0 exponent of a V4 tile's scale (rounded up; amax floored at 1e-4). Through the division:
   /// ue8m0_scale_exponent<448> gives the same exponents, but measured 0.2 us slower in the fused
   /// online decode kernel (a latency chain whose code otherwise differs only in instruction order).
   static DSV4_DEV int v4_exponent(float amax) { return ue8m0_ceil(fmaxf(amax, 1e-4f) / 448.0f); }
-  /// e4m3 code of a bf16-rounded value under scale 2^(e - 127), saturated to ±448.
-  static DSV4_DEV uint8_t v4_code(float q, int e) {
-    return e4m3_code(fminf(fmaxf(q * exp2_int(127 - e), -448.0f), 448.0f));
-  }
 
   /// Butterfly step of the Hadamard transform on one pair: (lo, hi) -> (lo + hi, lo - hi).
   static DSV4_DEV void hadamard_pair(float& lo, float& hi) {
@@ -354,8 +419,11 @@ struct Kernel {
     lo = sum, hi = diff;
   }
 
-  /// Walsh–Hadamard transform over a row's 128 values (natural order), scaled by 128^-1/2, held by
-  /// `kLanes` lanes (lane j, group w: channels 4(j + kLanes·w) .. +3). Distances in
+  /// 128^-1/2, the Hadamard transform's normalization.
+  static constexpr float kHadamardScale = 0.08838834764831845f;
+
+  /// Walsh–Hadamard butterflies over a row's 128 values (natural order), before the 128^-1/2
+  /// scale, held by `kLanes` lanes (lane j, group w: channels 4(j + kLanes·w) .. +3). Distances in
   /// increasing order: 1, 2 inside a group, then across lanes, then across this lane's groups.
   static DSV4_DEV void hadamard128(float (&v)[kSpan][4], int j) {
 #pragma unroll
@@ -371,7 +439,7 @@ struct Kernel {
 #pragma unroll
       for (int w = 0; w < kSpan; ++w) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[w][i] = __fmaf_rn(sign, v[w][i], __shfl_xor_sync(row_mask(), v[w][i], m));
+        for (int i = 0; i < 4; ++i) v[w][i] = __fmaf_rn(sign, v[w][i], __shfl_xor_sync(kFullMask, v[w][i], m));
       }
     }
 #pragma unroll
@@ -384,16 +452,11 @@ struct Kernel {
         }
       }
     }
-    constexpr float kScale = 0.08838834764831845f;  // 1 / sqrt(128)
-#pragma unroll
-    for (int w = 0; w < kSpan; ++w) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[w][i] *= kScale;
-    }
   }
 
-  static DSV4_DEV float reduce_amax(float a, int lanes, unsigned mask) {
-    for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(mask, a, m));
+  /// Largest value over `lanes` neighbouring lanes (a power of two, aligned).
+  static DSV4_DEV float reduce_amax(float a, int lanes) {
+    for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(kFullMask, a, m));
     return a;
   }
 
@@ -401,41 +464,42 @@ struct Kernel {
     return fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   }
 
-  /// Indexer fp8: one fp32 scale (not a power of two) over all 128 values.
-  static DSV4_DEV void store_indexer_fp8(const float (&v)[kSpan][4], int j, uint8_t* data,
-                                         uint8_t* scale) {
+  /// Indexer fp8: one fp32 scale (not a power of two) over all 128 values of the transform.
+  static DSV4_DEV IndexerCodes encode_indexer_fp8(float (&v)[kSpan][4]) {
     float amax = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kSpan; ++w) amax = fmaxf(amax, amax4(v[w]));
-    amax = reduce_amax(amax, kLanes, row_mask());
-    const float s = fmaxf(amax, 1e-4f) / 448.0f;
+    for (int w = 0; w < kSpan; ++w) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[w][i] *= kHadamardScale;
+      amax = fmaxf(amax, amax4(v[w]));
+    }
+    const float s = fmaxf(reduce_amax(amax, kLanes), 1e-4f) / 448.0f;
     const float inv = 1.0f / s;
+    IndexerCodes out;
 #pragma unroll
     for (int w = 0; w < kSpan; ++w) {
-      uint32_t packed = 0;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        packed |= uint32_t{e4m3_code(fminf(fmaxf(v[w][c] * inv, -448.0f), 448.0f))} << (8 * c);
-      }
-      *reinterpret_cast<uint32_t*>(data + 4 * (j + kLanes * w)) = packed;
+      out.codes[w] = e4m3x2_codes(v[w][0] * inv, v[w][1] * inv) | uint32_t{e4m3x2_codes(v[w][2] * inv, v[w][3] * inv)} << 16;
+      out.scales[w] = __float_as_uint(s);
     }
-    if (j == 0) *reinterpret_cast<float*>(scale) = s;
+    return out;
   }
 
   /// Indexer fp4: e2m1 codes (even dim in the low nibble), one UE8M0 scale per 32-dim group
-  /// (8 virtual lanes).
-  static DSV4_DEV void store_indexer_fp4(const float (&v)[kSpan][4], int j, uint8_t* data,
-                                         uint8_t* scales) {
+  /// (8 virtual lanes). `h` is the transform before its 128^-1/2 scale: that factor and the
+  /// group's power-of-two scale are one multiply, which rounds as the two in turn did (scaling by
+  /// a power of two is exact while the constant stays normal: group maxima up to 6·2^122), and the
+  /// group maximum is scaled once (rounding is monotone).
+  template <typename Fp4Codec>
+  static DSV4_DEV IndexerCodes encode_indexer_fp4(const float (&h)[kSpan][4], const Fp4Codec& code) {
+    IndexerCodes out;
 #pragma unroll
     for (int w = 0; w < kSpan; ++w) {
-      const int e = ue8m0_scale_exponent<6>(reduce_amax(amax4(v[w]), 8, row_mask()));
-      const float inv = exp2_int(127 - e);
-      const uint32_t codes = fp4_code(v[w][0] * inv) | fp4_code(v[w][1] * inv) << 4 | fp4_code(v[w][2] * inv) << 8 |
-                             fp4_code(v[w][3] * inv) << 12;
-      const int lane = j + kLanes * w;  // virtual lane
-      *reinterpret_cast<uint16_t*>(data + 2 * lane) = static_cast<uint16_t>(codes);
-      if (lane % 8 == 0) scales[lane / 8] = static_cast<uint8_t>(e);
+      const int e = ue8m0_scale_exponent<6>(reduce_amax(amax4(h[w]), 8) * kHadamardScale);
+      const float c = kHadamardScale * exp2_int(127 - e);
+      out.codes[w] = code(h[w][0] * c) | code(h[w][1] * c) << 4 | code(h[w][2] * c) << 8 | code(h[w][3] * c) << 12;
+      out.scales[w] = static_cast<uint32_t>(e);
     }
+    return out;
   }
 };
 
@@ -446,18 +510,19 @@ __global__ __launch_bounds__(K::kWarps * kWarpSize) void store_kernel(const __gr
 
 __global__ void fp4_codes_kernel(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = static_cast<uint8_t>(fp4_code(x[i]));
+    out[2 * i] = static_cast<uint8_t>(fp4_code(x[i]));
+    out[2 * i + 1] = static_cast<uint8_t>(kFp4Codes(x[i]));
   }
 }
 
-/// The e2m1 codes the fp4 store writes for already-scaled values: x fp32 [n] -> out u8 [n] (for
-/// checking the codec against the reference rule on any set of values).
+/// The e2m1 codes the fp4 stores write for already-scaled values: x fp32 [n] -> out u8 [n, 2] (by
+/// fp4_code, by its table), for checking both against the reference rule on any set of values.
 inline void fp4_codes(TensorView x, TensorView out) {
   const char* op = "store.fp4_codes";
   Size n{"n"};
   Device dev;
   Check(op, "x", x).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
-  Check(op, "out", out).shape({n}).dtype(dl::kU8).cuda(dev).contiguous();
+  Check(op, "out", out).shape({n, 2}).dtype(dl::kU8).cuda(dev).contiguous();
   launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, fp4_codes_kernel,
          static_cast<const float*>(x.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), n.value);
 }
@@ -486,13 +551,14 @@ template <typename DType, Format F, bool kPDL>
 struct NormRopeStore {
   using L = Layout<F>;
 
-  /// Lanes per indexer row: 16 keeps per-thread chains short for small batches and for fp4
-  /// (measured faster there); 8 keeps four rows' loads in flight per warp for large fp8 batches.
-  static constexpr uint32_t kEightLaneRows = 2048;
+  /// Large indexer batches: fp8 rows on 8 lanes (four rows' loads in flight per warp, each row's
+  /// scalar work — plan, location, RMS scale — shared by fewer threads), fp4 codes by table. Below,
+  /// 16 lanes keep per-thread chains short (measured faster there, and for fp4 at every size).
+  static constexpr uint32_t kLargeBatchRows = 2048;
 
-  template <int kLanes>
+  template <int kLanes, bool kFp4Table = false>
   static void launch_rows(const char* op, const Device& dev, const Params& p) {
-    using K = Kernel<DType, F, kPDL, kLanes>;
+    using K = Kernel<DType, F, kPDL, kLanes, kFp4Table>;
     launch(op, dev.dev, {div_ceil(p.rows, K::kRowsPerBlock), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
   }
 
@@ -555,9 +621,10 @@ struct NormRopeStore {
     if constexpr (!L::kIndexer) {
       launch_rows<kWarpSize>(op, dev, p);
     } else if constexpr (F == Format::kIndexerFp8) {
-      if (p.rows > kEightLaneRows) return launch_rows<8>(op, dev, p);
+      if (p.rows > kLargeBatchRows) return launch_rows<8>(op, dev, p);
       launch_rows<16>(op, dev, p);
     } else {
+      if (p.rows > kLargeBatchRows) return launch_rows<16, true>(op, dev, p);
       launch_rows<16>(op, dev, p);
     }
   }

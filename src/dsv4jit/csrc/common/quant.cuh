@@ -32,8 +32,10 @@ DSV4_DEV int ue8m0_scale_exponent(float amax) {
 /// 2^k as an fp32 (normal range), so that scaling by it is exact.
 DSV4_DEV float exp2_int(int k) { return __uint_as_float(static_cast<uint32_t>(k + 127) << 23); }
 
-/// e4m3 code of x (round to nearest even); callers clamp to ±448 first.
-DSV4_DEV uint8_t e4m3_code(float x) { return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); }
+/// e4m3 codes of a pair (round to nearest even, saturated to ±448; `lo` in the low byte).
+DSV4_DEV uint16_t e4m3x2_codes(float lo, float hi) {
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
 
 /// e2m1 code by thresholds: magnitude index = #{t : |u| > t} for t in 0.25, 0.75, 1.25, 1.75, 2.5,
 /// 3.5, 5 (ties round toward the smaller magnitude; NaN: none), sign bit only for a nonzero
@@ -48,5 +50,39 @@ DSV4_DEV uint32_t fp4_code(float u) {
   const uint32_t idx = a >= 1.0f ? from_one : below_one;
   return (u < 0.0f && idx != 0) ? (idx | 8u) : idx;
 }
+
+/// The e2m1 codes of fp4_code() by table, for kernels that code many values per row: every
+/// threshold has at most two mantissa bits, so |u| > t exactly when the bucket
+/// (bits(|u|) + 2^21 - 1) >> 21 (exponent and two mantissa bits, rounded up) exceeds t's. The
+/// bucket of the signed bits, (bits(u) + 2^21 - 1) >> 21 mod 2^11, carries the sign in bit 10 and
+/// wraps only NaNs, so one 2048-entry table gives the whole code.
+struct alignas(16) Fp4CodeTable {
+  static constexpr uint32_t kShift = 21;
+  static constexpr uint32_t kRound = (1u << kShift) - 1;
+  static constexpr int kEntries = 2048;
+  uint8_t code[kEntries];
+
+  static constexpr uint32_t bucket_of(uint32_t bits) { return (bits + kRound) >> kShift; }
+
+  static constexpr uint8_t code_of_bucket(uint32_t bucket) {
+    constexpr uint32_t kThresholdBits[] = {0x3E800000u, 0x3F400000u, 0x3FA00000u, 0x3FE00000u,  // 0.25 .. 1.75
+                                           0x40200000u, 0x40600000u, 0x40A00000u};              // 2.5, 3.5, 5
+    const uint32_t magnitude = bucket % 1024;
+    if (magnitude > bucket_of(0x7F800000u)) return 0;  // NaN
+    uint32_t idx = 0;
+    for (const uint32_t t : kThresholdBits) idx += magnitude > bucket_of(t);
+    return static_cast<uint8_t>(bucket >= 1024 && idx != 0 ? idx | 8u : idx);
+  }
+
+  static constexpr Fp4CodeTable make() {
+    Fp4CodeTable t{};
+    for (uint32_t b = 0; b < kEntries; ++b) t.code[b] = code_of_bucket(b);
+    return t;
+  }
+
+  DSV4_DEV uint32_t operator()(float u) const { return code[bucket_of(__float_as_uint(u))]; }
+};
+
+__device__ constexpr Fp4CodeTable kFp4Codes = Fp4CodeTable::make();
 
 }  // namespace dsv4
