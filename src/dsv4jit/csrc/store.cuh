@@ -92,9 +92,7 @@ struct Kernel {
   static constexpr int kSpan = kWarpSize / kLanes;                // of them within one 128-channel chunk
   static constexpr int kRopeLane = (L::kHeadDim - kRopeDim) / 4;  // first virtual lane of the rope dims
 
-  struct Empty {};
-
-  /// fp4_code() as a codec argument (the alternative to the table).
+  /// fp4_code() as a codec argument (the alternative to the table; stateless).
   struct Fp4ByRule {
     DSV4_DEV uint32_t operator()(float u) const { return fp4_code(u); }
   };
@@ -162,11 +160,11 @@ struct Kernel {
     const uint32_t row = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
     // The table is copied first: behind the row's loads, its barrier measured slower (it holds
     // back whole blocks).
-    __shared__ std::conditional_t<kFp4Table, Fp4CodeTable, Empty> fp4_table;
+    __shared__ std::conditional_t<kFp4Table, Fp4CodeTable, Fp4ByRule> fp4;
     if constexpr (kFp4Table) {
       static_assert(F == Format::kIndexerFp4 && sizeof(Fp4CodeTable) == kWarps * kWarpSize * sizeof(uint4),
                     "fp4 only; one 16-byte piece per thread");
-      reinterpret_cast<uint4*>(fp4_table.code)[threadIdx.x] = reinterpret_cast<const uint4*>(kFp4Codes.code)[threadIdx.x];
+      reinterpret_cast<uint4*>(fp4.code)[threadIdx.x] = reinterpret_cast<const uint4*>(kFp4Codes.code)[threadIdx.x];
       __syncthreads();
     }
     pdl_wait_upstream<kPDL>();
@@ -208,12 +206,7 @@ struct Kernel {
     for (int g = 0; g < kGroups; ++g) normalize_group(j + kLanes * g, x[g], w[g], r, f[g]);
     // Only the writes need the location: the check waits for it last.
     if constexpr (L::kIndexer) {
-      IndexerCodes codes;
-      if constexpr (kFp4Table) {
-        codes = encode_indexer(x, j, fp4_table);
-      } else {
-        codes = encode_indexer(x, j, Fp4ByRule{});
-      }
+      const IndexerCodes codes = encode_indexer(x, j, fp4);
       const bool stored = selected && check(p, loc, position);
       if (!__any_sync(kFullMask, stored)) return;
       pdl_launch_dependents<kPDL>();
@@ -222,7 +215,7 @@ struct Kernel {
       V4Dims<4> encoded[kGroups];
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) encoded[g] = encode_v4(128 * g + 4 * j, x[g]);
-      if (!selected || !check(p, loc, position)) return;  // a row per warp: uniform
+      if (!check(p, loc, position)) return;  // a row per warp: selected, as the warp is still here
       pdl_launch_dependents<kPDL>();
       const Slot slot = slot_at(p, loc);
 #pragma unroll
@@ -508,43 +501,49 @@ __global__ __launch_bounds__(K::kWarps * kWarpSize) void store_kernel(const __gr
   K::run(p);
 }
 
-__global__ void fp4_codes_kernel(const float* __restrict__ x, uint8_t* __restrict__ out, int64_t n) {
+/// Codec probes for the tests: each maps an fp32 value to two outputs.
+template <typename Probe, typename Out>
+__global__ void probe_kernel(const float* __restrict__ x, Out* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    out[2 * i] = static_cast<uint8_t>(fp4_code(x[i]));
-    out[2 * i + 1] = static_cast<uint8_t>(kFp4Codes(x[i]));
+    Probe::apply(x[i], out + 2 * i);
   }
 }
 
-/// The e2m1 codes the fp4 stores write for already-scaled values: x fp32 [n] -> out u8 [n, 2] (by
-/// fp4_code, by its table), for checking both against the reference rule on any set of values.
-inline void fp4_codes(TensorView x, TensorView out) {
-  const char* op = "store.fp4_codes";
+/// Runs Probe over x fp32 [n] into out [n, 2] (`x_name`: the input's name in errors).
+template <typename Probe, typename Out>
+void run_probe(const char* op, const char* x_name, TensorView x, TensorView out) {
   Size n{"n"};
   Device dev;
-  Check(op, "x", x).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
-  Check(op, "out", out).shape({n, 2}).dtype(dl::kU8).cuda(dev).contiguous();
-  launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, fp4_codes_kernel,
-         static_cast<const float*>(x.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), n.value);
+  Check(op, x_name, x).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
+  Check(op, "out", out).shape({n, 2}).dtype(DTypeInfo<Out>::dtype).cuda(dev).contiguous();
+  launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, probe_kernel<Probe, Out>,
+         static_cast<const float*>(x.data_ptr()), static_cast<Out*>(out.data_ptr()), n.value);
 }
 
-__global__ void scale_exponents_kernel(const float* __restrict__ amax, int32_t* __restrict__ out, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    out[2 * i] = ue8m0_scale_exponent<6>(amax[i]);
-    out[2 * i + 1] = ue8m0_scale_exponent<448>(amax[i]);
+/// The e2m1 codes the fp4 stores write for already-scaled values: by fp4_code, by its table.
+struct Fp4CodesProbe {
+  static DSV4_DEV void apply(float x, uint8_t* out) {
+    out[0] = static_cast<uint8_t>(fp4_code(x));
+    out[1] = static_cast<uint8_t>(kFp4Codes(x));
   }
-}
+};
 
-/// UE8M0 exponents by the division-free rule for a group's largest magnitude: amax fp32 [n] -> out
-/// int32 [n, 2] (amax / 6, the fp4 groups' scale; amax / 448, the V4 tiles' divisor, which v4_exponent
-/// keeps as a division), for checking the rule against the reference's division on any set of values.
+/// UE8M0 exponents by the division-free rule for a group's largest magnitude: amax / 6 (the fp4
+/// groups' scale) and amax / 448 (the V4 tiles' divisor, which v4_exponent keeps as a division).
+struct ScaleExponentsProbe {
+  static DSV4_DEV void apply(float amax, int32_t* out) {
+    out[0] = ue8m0_scale_exponent<6>(amax);
+    out[1] = ue8m0_scale_exponent<448>(amax);
+  }
+};
+
+/// x fp32 [n] -> out u8 [n, 2]: Fp4CodesProbe, for checking both codecs against the reference rule.
+inline void fp4_codes(TensorView x, TensorView out) { run_probe<Fp4CodesProbe, uint8_t>("store.fp4_codes", "x", x, out); }
+
+/// amax fp32 [n] -> out int32 [n, 2]: ScaleExponentsProbe, for checking the rule against the
+/// reference's division.
 inline void scale_exponents(TensorView amax, TensorView out) {
-  const char* op = "store.scale_exponents";
-  Size n{"n"};
-  Device dev;
-  Check(op, "amax", amax).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
-  Check(op, "out", out).shape({n, 2}).dtype(dl::kI32).cuda(dev).contiguous();
-  launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, scale_exponents_kernel,
-         static_cast<const float*>(amax.data_ptr()), static_cast<int32_t*>(out.data_ptr()), n.value);
+  run_probe<ScaleExponentsProbe, int32_t>("store.scale_exponents", "amax", amax, out);
 }
 
 template <typename DType, Format F, bool kPDL>
