@@ -547,9 +547,9 @@ IDX_FP4_MANY = Fmt("indexer_fp4", 128, 4, 64, 40, use_fp4=True)
                          + [(IDX_FP8_MANY, 2053), (IDX_FP4_MANY, 2053)],
                          ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
 def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, device):
-    """Indexer rows take 16 lanes (8 for fp8 batches above 2048 rows, where fp4 codes come from a
-    table), several to a warp: counts that leave a warp or a block part empty, on both sides of that
-    threshold."""
+    """Indexer rows take 16 lanes (8 for batches above 2048 rows, where fp4 codes come from a table
+    and 8 lanes trade their code words before the stores), several to a warp: counts that leave a
+    warp or a block part empty, on both sides of that threshold."""
     case = make_case(fmt, torch.float32, decode, torch.int32, seed=7000 + rows + 100 * decode, rows=rows)
     check_store(case, run_public(case, device), run_reference(case))
 

@@ -85,7 +85,9 @@ struct Kernel {
   using L = Layout<F>;
   static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 8 || kLanes == 16)),
                 "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 8 or 16 lanes");
-  static constexpr int kWarps = 4;
+  // 8-lane rows (large batches) in blocks of 8 warps: half as many blocks and fp4 table copies
+  // (measured 0.05 us faster at 16 384 rows than 4 warps).
+  static constexpr int kWarps = kLanes == 8 ? 8 : 4;
   static constexpr int C = L::kChunks;
   static constexpr int kRowsPerBlock = kWarps * kWarpSize / kLanes;
   static constexpr int kGroups = L::kHeadDim / (4 * kLanes);      // 4-channel groups per lane
@@ -162,9 +164,11 @@ struct Kernel {
     // back whole blocks).
     __shared__ std::conditional_t<kFp4Table, Fp4CodeTable, Fp4ByRule> fp4;
     if constexpr (kFp4Table) {
-      static_assert(F == Format::kIndexerFp4 && sizeof(Fp4CodeTable) == kWarps * kWarpSize * sizeof(uint4),
-                    "fp4 only; one 16-byte piece per thread");
-      reinterpret_cast<uint4*>(fp4.code)[threadIdx.x] = reinterpret_cast<const uint4*>(kFp4Codes.code)[threadIdx.x];
+      constexpr int kPieces = sizeof(Fp4CodeTable) / sizeof(uint4);
+      static_assert(F == Format::kIndexerFp4 && kPieces <= kWarps * kWarpSize, "fp4 only; a 16-byte piece per thread");
+      if (threadIdx.x < kPieces) {
+        reinterpret_cast<uint4*>(fp4.code)[threadIdx.x] = reinterpret_cast<const uint4*>(kFp4Codes.code)[threadIdx.x];
+      }
       __syncthreads();
     }
     pdl_wait_upstream<kPDL>();
@@ -357,11 +361,32 @@ struct Kernel {
   }
 
   /// An indexer row as stored, per lane: the codes of its groups (fp8: 4 e4m3 bytes; fp4: 4 e2m1
-  /// nibbles) and the scales (fp8: the row's fp32 scale; fp4: the UE8M0 exponent of each group).
+  /// nibbles) and their scales (fp8: the row's fp32 scale; fp4: the UE8M0 exponent of the group's
+  /// 32 dims). fp4 rows on 8 lanes hold them as written instead (see deal_fp4_words).
   struct IndexerCodes {
     uint32_t codes[kSpan];
     uint32_t scales[kSpan];
   };
+
+  /// fp4 rows on 8 lanes: a lane's 2-byte code words would make half-sector stores (16 bytes of a
+  /// row per store instruction), so the lanes deal them out again: lane j takes virtual lanes 2j,
+  /// 2j + 1 (4 bytes at 4j) and 2j + 16, 2j + 17 (at 32 + 4j); every lane has the 4 group
+  /// exponents, packed as the row's 4 scale bytes.
+  static DSV4_DEV IndexerCodes deal_fp4_words(const IndexerCodes& c, int j) {
+    static_assert(kLanes == 8, "8-lane rows: group g is virtual lanes 8g .. 8g + 7");
+    // virtual lane 2j + 16h + i: lane (2j + i) % 8, group 2h + (j >= 4); a shuffle moves two groups
+    const uint32_t halves = j >= 4 ? 0x7632u : 0x5410u;  // the upper or the lower 16 bits of each
+    IndexerCodes out{};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t both = c.codes[2 * h] | c.codes[2 * h + 1] << 16;
+      const uint32_t even = __shfl_sync(kFullMask, both, (2 * j) % 8, kLanes);
+      const uint32_t odd = __shfl_sync(kFullMask, both, (2 * j + 1) % 8, kLanes);
+      out.codes[h] = __byte_perm(even, odd, halves);
+    }
+    out.scales[0] = c.scales[0] | c.scales[1] << 8 | c.scales[2] << 16 | c.scales[3] << 24;
+    return out;
+  }
 
   /// Hadamard transform and quantization of a normalized indexer row held by `kLanes` lanes
   /// (lane j, group w: virtual lane j + kLanes·w); `fp4`: the e2m1 codec (fp4_code, or its table).
@@ -370,22 +395,30 @@ struct Kernel {
     hadamard128(v, j);
     if constexpr (F == Format::kIndexerFp8) {
       return encode_indexer_fp8(v);
+    } else if constexpr (kLanes == 8) {
+      return deal_fp4_words(encode_indexer_fp4(v, j, fp4), j);
     } else {
-      return encode_indexer_fp4(v, fp4);
+      return encode_indexer_fp4(v, j, fp4);
     }
   }
 
   /// Writes lane j's part of an encoded indexer row into `slot`.
   static DSV4_DEV void write_indexer(const Slot& slot, int j, const IndexerCodes& c) {
+    if constexpr (F == Format::kIndexerFp4 && kLanes == 8) {  // dealt by deal_fp4_words
 #pragma unroll
-    for (int w = 0; w < kSpan; ++w) {
-      const int lane = j + kLanes * w;  // virtual lane
-      if constexpr (F == Format::kIndexerFp8) {
-        *reinterpret_cast<uint32_t*>(slot.data + 4 * lane) = c.codes[w];
-        if (lane == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[w];
-      } else {
-        *reinterpret_cast<uint16_t*>(slot.data + 2 * lane) = static_cast<uint16_t>(c.codes[w]);
-        if (lane % 8 == 0) slot.scales[lane / 8] = static_cast<uint8_t>(c.scales[w]);
+      for (int h = 0; h < 2; ++h) *reinterpret_cast<uint32_t*>(slot.data + 32 * h + 4 * j) = c.codes[h];
+      if (j == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[0];
+    } else {
+#pragma unroll
+      for (int w = 0; w < kSpan; ++w) {
+        const int lane = j + kLanes * w;  // virtual lane
+        if constexpr (F == Format::kIndexerFp8) {
+          *reinterpret_cast<uint32_t*>(slot.data + 4 * lane) = c.codes[w];
+          if (lane == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[w];
+        } else {
+          *reinterpret_cast<uint16_t*>(slot.data + 2 * lane) = static_cast<uint16_t>(c.codes[w]);
+          if (lane % 8 == 0) slot.scales[lane / 8] = static_cast<uint8_t>(c.scales[w]);
+        }
       }
     }
   }
@@ -477,20 +510,46 @@ struct Kernel {
     return out;
   }
 
+  /// UE8M0 exponents of the 32-dim groups that lane j's groups belong to (`a`: their maxima; a
+  /// 32-dim group is 8 virtual lanes, one group of each of 8 neighbouring lanes). The maxima are
+  /// reduced and scattered over those lanes, so lane j ends with the maximum of its group g whose
+  /// bits are j's bits 2, 1 (high first); each lane takes one exponent and the lanes gather them
+  /// (exponents rise with the maximum, so each is the exponent of its group's maximum).
+  static DSV4_DEV void group_exponents(float (&a)[kSpan], int j, int (&e)[kSpan]) {
+#pragma unroll
+    for (int n = kSpan / 2, m = 4; n >= 1; n /= 2, m /= 2) {  // keep n of 2n maxima: trade the others
+      const bool upper = j & m;
+#pragma unroll
+      for (int i = 0; i < n; ++i) {
+        const float give = upper ? a[i] : a[i + n], keep = upper ? a[i + n] : a[i];
+        a[i] = fmaxf(keep, __shfl_xor_sync(kFullMask, give, m));
+      }
+    }
+    const int own = ue8m0_scale_exponent<6>(reduce_amax(a[0], 8 / kSpan) * kHadamardScale);
+    constexpr int kShift = 3 - log2_floor(kSpan);  // group g's maximum is at lane g << kShift of the 8
+#pragma unroll
+    for (int g = 0; g < kSpan; ++g) e[g] = kSpan == 1 ? own : __shfl_sync(kFullMask, own, g << kShift, 8);
+  }
+
   /// Indexer fp4: e2m1 codes (even dim in the low nibble), one UE8M0 scale per 32-dim group
   /// (8 virtual lanes). `h` is the transform before its 128^-1/2 scale: that factor and the
   /// group's power-of-two scale are one multiply, which rounds as the two in turn did (scaling by
   /// a power of two is exact while the constant stays normal: group maxima up to 6·2^122), and the
   /// group maximum is scaled once (rounding is monotone).
   template <typename Fp4Codec>
-  static DSV4_DEV IndexerCodes encode_indexer_fp4(const float (&h)[kSpan][4], const Fp4Codec& code) {
+  static DSV4_DEV IndexerCodes encode_indexer_fp4(const float (&h)[kSpan][4], int j, const Fp4Codec& code) {
+    static_assert(kLanes >= 8, "a 32-dim group spans 8 virtual lanes: one group a lane per 8 lanes");
+    float a[kSpan];
+#pragma unroll
+    for (int g = 0; g < kSpan; ++g) a[g] = amax4(h[g]);
+    int e[kSpan];
+    group_exponents(a, j, e);
     IndexerCodes out;
 #pragma unroll
-    for (int w = 0; w < kSpan; ++w) {
-      const int e = ue8m0_scale_exponent<6>(reduce_amax(amax4(h[w]), 8) * kHadamardScale);
-      const float c = kHadamardScale * exp2_int(127 - e);
-      out.codes[w] = code(h[w][0] * c) | code(h[w][1] * c) << 4 | code(h[w][2] * c) << 8 | code(h[w][3] * c) << 12;
-      out.scales[w] = static_cast<uint32_t>(e);
+    for (int g = 0; g < kSpan; ++g) {
+      const float c = kHadamardScale * exp2_int(127 - e[g]);
+      out.codes[g] = code(h[g][0] * c) | code(h[g][1] * c) << 4 | code(h[g][2] * c) << 8 | code(h[g][3] * c) << 12;
+      out.scales[g] = static_cast<uint32_t>(e[g]);
     }
     return out;
   }
@@ -550,9 +609,9 @@ template <typename DType, Format F, bool kPDL>
 struct NormRopeStore {
   using L = Layout<F>;
 
-  /// Large indexer batches: fp8 rows on 8 lanes (four rows' loads in flight per warp, each row's
+  /// Large indexer batches: rows on 8 lanes (four rows' loads in flight per warp, each row's
   /// scalar work — plan, location, RMS scale — shared by fewer threads), fp4 codes by table. Below,
-  /// 16 lanes keep per-thread chains short (measured faster there, and for fp4 at every size).
+  /// 16 lanes keep per-thread chains short (measured faster there).
   static constexpr uint32_t kLargeBatchRows = 2048;
 
   template <int kLanes, bool kFp4Table = false>
@@ -623,7 +682,7 @@ struct NormRopeStore {
       if (p.rows > kLargeBatchRows) return launch_rows<8>(op, dev, p);
       launch_rows<16>(op, dev, p);
     } else {
-      if (p.rows > kLargeBatchRows) return launch_rows<16, true>(op, dev, p);
+      if (p.rows > kLargeBatchRows) return launch_rows<8, true>(op, dev, p);
       launch_rows<16>(op, dev, p);
     }
   }
