@@ -271,9 +271,9 @@ struct Kernel {
     float t[kSpan];
 #pragma unroll
     for (int w = 0; w < kSpan; ++w) {
-      t[w] = 0.0f;
+      t[w] = chunk_partial(x[w]);  // never -0, so the same as 0 + it
 #pragma unroll
-      for (int k = 0; k < G / kSpan; ++k) t[w] = __fadd_rn(t[w], chunk_partial(x[k * kSpan + w]));
+      for (int k = 1; k < G / kSpan; ++k) t[w] = __fadd_rn(t[w], chunk_partial(x[k * kSpan + w]));
     }
     return row_sum(t);
   }
@@ -538,7 +538,6 @@ struct Kernel {
   /// group maximum is scaled once (rounding is monotone).
   template <typename Fp4Codec>
   static DSV4_DEV IndexerCodes encode_indexer_fp4(const float (&h)[kSpan][4], int j, const Fp4Codec& code) {
-    static_assert(kLanes >= 8, "a 32-dim group spans 8 virtual lanes: one group a lane per 8 lanes");
     float a[kSpan];
 #pragma unroll
     for (int g = 0; g < kSpan; ++g) a[g] = amax4(h[g]);
@@ -678,11 +677,8 @@ struct NormRopeStore {
     p.kv = kv.data_ptr();
     if constexpr (!L::kIndexer) {
       launch_rows<kWarpSize>(op, dev, p);
-    } else if constexpr (F == Format::kIndexerFp8) {
-      if (p.rows > kLargeBatchRows) return launch_rows<8>(op, dev, p);
-      launch_rows<16>(op, dev, p);
     } else {
-      if (p.rows > kLargeBatchRows) return launch_rows<8, true>(op, dev, p);
+      if (p.rows > kLargeBatchRows) return launch_rows<8, F == Format::kIndexerFp4>(op, dev, p);
       launch_rows<16>(op, dev, p);
     }
   }
