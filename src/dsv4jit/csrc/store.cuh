@@ -99,8 +99,11 @@ struct Kernel {
     DSV4_DEV uint32_t operator()(float u) const { return fp4_code(u); }
   };
 
+  /// The virtual lane of lane j's group g (see the top of the file).
+  static constexpr int vlane(int j, int g) { return j + kLanes * g; }
+
   /// Whether group g of some lane holds rope dims.
-  static constexpr bool may_rope(int g) { return kLanes * (g + 1) > kRopeLane; }
+  static constexpr bool may_rope(int g) { return vlane(kLanes - 1, g) >= kRopeLane; }
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
     if (p.status != nullptr && threadIdx.x % kLanes == 0) atomicOr(p.status, bit);
@@ -181,8 +184,8 @@ struct Kernel {
     Vec<DType, 4> xv[kGroups], wv[kGroups];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      xv[g] = load_vec<4>(x_row + 4 * (j + kLanes * g));
-      wv[g] = load_vec<4>(w_row + 4 * (j + kLanes * g));
+      xv[g] = load_vec<4>(x_row + 4 * vlane(j, g));
+      wv[g] = load_vec<4>(w_row + 4 * vlane(j, g));
     }
     // The location and the rope-table row depend on the plan row only: both loads go out as soon
     // as it is in, and the RMS scale runs while they are in flight.
@@ -192,7 +195,7 @@ struct Kernel {
     float f[kGroups][4] = {};
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      const int v = j + kLanes * g;
+      const int v = vlane(j, g);
       if (may_rope(g) && v >= kRopeLane && selected && position_ok(p, position)) {
         const Vec<float, 4> fv = load_vec<4>(p.freq + position * kRopeDim + 4 * (v - kRopeLane));
 #pragma unroll
@@ -207,7 +210,7 @@ struct Kernel {
     }
     const float r = rms_scale(p, sum_squares(x));
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) normalize_group(j + kLanes * g, x[g], w[g], r, f[g]);
+    for (int g = 0; g < kGroups; ++g) normalize_group(vlane(j, g), x[g], w[g], r, f[g]);
     // Only the writes need the location: the check waits for it last.
     if constexpr (L::kIndexer) {
       const IndexerCodes codes = encode_indexer(x, j, fp4);
@@ -411,7 +414,7 @@ struct Kernel {
     } else {
 #pragma unroll
       for (int w = 0; w < kSpan; ++w) {
-        const int lane = j + kLanes * w;  // virtual lane
+        const int lane = vlane(j, w);
         if constexpr (F == Format::kIndexerFp8) {
           *reinterpret_cast<uint32_t*>(slot.data + 4 * lane) = c.codes[w];
           if (lane == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[w];
