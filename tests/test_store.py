@@ -556,6 +556,22 @@ def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, devi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("fmt,rows", [(Fmt("indexer_fp8", 128, 4, 16, 12), ROWS),
+                                      (Fmt("indexer_fp4", 128, 4, 1, 192, use_fp4=True), ROWS),
+                                      (Fmt("indexer_fp8", 128, 4, 1, 2560), 2053),
+                                      (Fmt("indexer_fp4", 128, 4, 16, 160, use_fp4=True), 2053)],
+                         ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
+def test_indexer_pages_of_other_sizes(fmt, decode, rows, device):
+    """Indexer pages are unpadded, so the kernels place a token's data and scale rows from its
+    location alone (the page's first location times the token bytes): page sizes 1 and 16, on 16
+    and (above 2048 rows) 8 lanes per row."""
+    case = make_case(fmt, torch.float32, decode, torch.int64, seed=7500 + rows + 10 * fmt.page_size + decode,
+                     rows=rows)
+    check_store(case, run_public(case, device), run_reference(case))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("fmt", [V4_C4, V4_C128, IDX_FP4], ids=lambda f: f.id)
 def test_store_with_planner_plans(fmt, decode, device):
     """Plans from the real planner (prefill: cuda-graph padded, so trailing rows are invalid) and
