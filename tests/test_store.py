@@ -970,7 +970,7 @@ def test_scale_exponents_equal_the_division_rule_on_every_fp32(device):
     """The division-free UE8M0 scale exponent (from amax's bits) against
     reference.quant.ue8m0_exponent(max(amax, 1e-4) / D) on all non-negative fp32 bit patterns (below
     the floor, subnormals, every mantissa, infinity, NaNs): D = 6, the fp4 groups' rule, and D = 448,
-    the V4 divisor, since the rule is stated for any divisor."""
+    the V4 tiles' rule in the standalone store (the fused kernels divide)."""
     dev = torch.device(device, torch.cuda.current_device())
     exponents = runtime.function("store", "scale_exponents", dev, dtype="fp32", format="indexer_fp4")
     chunk = 1 << 28
