@@ -547,9 +547,9 @@ IDX_FP4_MANY = Fmt("indexer_fp4", 128, 4, 64, 40, use_fp4=True)
                          + [(IDX_FP8_MANY, 2053), (IDX_FP4_MANY, 2053)],
                          ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
 def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, device):
-    """Indexer rows take 16 lanes (8 for batches above 2048 rows, where fp4 codes come from a table
-    and 8 lanes trade their code words before the stores), several to a warp: counts that leave a
-    warp or a block part empty, on both sides of that threshold."""
+    """Indexer rows take 16 lanes (above 2048 rows 8 for fp8 and 4 for fp4, whose codes then come from
+    a table and whose lanes trade their code words before the stores), several to a warp: counts that
+    leave a warp or a block part empty, on both sides of that threshold."""
     case = make_case(fmt, torch.float32, decode, torch.int32, seed=7000 + rows + 100 * decode, rows=rows)
     check_store(case, run_public(case, device), run_reference(case))
 
@@ -559,12 +559,15 @@ def test_indexer_row_counts_that_leave_a_warp_part_empty(fmt, decode, rows, devi
 @pytest.mark.parametrize("fmt,rows", [(Fmt("indexer_fp8", 128, 4, 16, 12), ROWS),
                                       (Fmt("indexer_fp4", 128, 4, 1, 192, use_fp4=True), ROWS),
                                       (Fmt("indexer_fp8", 128, 4, 1, 2560), 2053),
+                                      (Fmt("indexer_fp4", 128, 4, 1, 2560, use_fp4=True), 2053),
+                                      (Fmt("indexer_fp4", 128, 4, 2, 1280, use_fp4=True), 2053),
                                       (Fmt("indexer_fp4", 128, 4, 16, 160, use_fp4=True), 2053)],
                          ids=lambda v: v.id if isinstance(v, Fmt) else str(v))
 def test_indexer_pages_of_other_sizes(fmt, decode, rows, device):
     """Indexer pages are unpadded, so the kernels place a token's data and scale rows from its
-    location alone (the page's first location times the token bytes): page sizes 1 and 16, on 16
-    and (above 2048 rows) 8 lanes per row."""
+    location alone (the page's first location times the token bytes): page sizes 1, 2 and 16, on 16
+    lanes per row and above 2048 rows on 8 (fp8, and fp4 in pages of one token, whose rows are not
+    8-byte aligned) or 4 (fp4 in pages of 2 and 16, which store 8-byte words)."""
     case = make_case(fmt, torch.float32, decode, torch.int64, seed=7500 + rows + 10 * fmt.page_size + decode,
                      rows=rows)
     check_store(case, run_public(case, device), run_reference(case))
@@ -948,7 +951,7 @@ def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
     """The kernels' e2m1 codecs (fp4_code: from 1 up it rounds the fp32 mantissa bits; its table, by
     the fp32 bits' exponent and two leading mantissa bits) against reference.quant.fp4_encode (the
     threshold rule of §F.5) on all 2^32 fp32 bit patterns: ties, subnormals, ±0, infinities and NaNs
-    included."""
+    included. Each codec codes the pair (x, x) into one byte, so both nibble positions are checked."""
     dev = torch.device(device, torch.cuda.current_device())
     codes = runtime.function("store", "fp4_codes", dev, dtype="fp32", format="indexer_fp4")
     chunk = 1 << 28
@@ -957,7 +960,8 @@ def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
         bits = torch.arange(start, start + chunk, dtype=torch.int64, device=dev)
         x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
         codes(x, out)
-        expected = fp4_encode(x)
+        code = fp4_encode(x)
+        expected = code | code << 4
         for col, codec in enumerate(("fp4_code", "table")):
             bad = (out[:, col] != expected).nonzero()
             assert bad.numel() == 0, (f"{codec}: {bad.numel()} codes differ from {start:#010x} on, first at bit "

@@ -1,8 +1,8 @@
 // compress_norm_rope_store (SPEC §F): RMSNorm -> RoPE on the trailing 64 dims (interleaved pairs,
 // position seq_len - R) -> 128-point Hadamard (indexer) -> quantize -> paged cache store.
 //
-// A row is held by kLanes lanes (a warp for the 512-dim V4 rows; 8 or 16 for the 128-dim indexer
-// rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
+// A row is held by kLanes lanes (a warp for the 512-dim V4 rows; 4, 8 or 16 for the 128-dim
+// indexer rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
 // g = 0, 1, ..: the channels 4(j + kLanes·g) .. +3, its "virtual lane" j + kLanes·g of the
 // 32-lane layout (lane l, chunk k: channels 128k + 4l ..). Every global access is a coalesced
 // 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles of the V4 layout are half-warps, the
@@ -84,22 +84,27 @@ struct Params {
 template <typename DType, Format F, bool kPDL, int kLanes = kWarpSize, bool kFp4Table = false>
 struct Kernel {
   using L = Layout<F>;
-  static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 8 || kLanes == 16)),
-                "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 8 or 16 lanes");
-  // 8-lane rows (large batches) in blocks of 8 warps: measured faster at 16 384 rows than 4 warps
-  // (0.05-0.1 us) and than 16 (fp8, fp4 decode).
+  static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 4 || kLanes == 8 || kLanes == 16)),
+                "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 4, 8 or 16 lanes");
+  // Large batches: 8-lane rows in blocks of 8 warps (at 16 384 rows 0.05-0.1 us faster than 4 warps,
+  // and than 16 for fp8 and fp4 decode); 4-lane rows in blocks of 4 (0.15 us faster than 8 warps,
+  // 0.3 us than 2).
   static constexpr int kWarps = kLanes == 8 ? 8 : 4;
   static constexpr int C = L::kChunks;
   static constexpr int kRowsPerBlock = kWarps * kWarpSize / kLanes;
   static constexpr int kGroups = L::kHeadDim / (4 * kLanes);      // 4-channel groups per lane
   static constexpr int kSpan = kWarpSize / kLanes;                // of them within one 128-channel chunk
+  // fp4 (indexer rows): the 32-dim groups (8 virtual lanes) a lane holds values of, and how many of
+  // its 4-channel groups fall in each (two neighbouring ones on 4 lanes)
+  static constexpr int kFp4Groups = kSpan < 4 ? kSpan : 4;
+  static constexpr int kFold = kSpan / kFp4Groups;
   static constexpr int kRopeLane = (L::kHeadDim - kRopeDim) / 4;  // first virtual lane of the rope dims
 
   /// fp4_code() as a codec argument (the alternative to the table; stateless).
   struct Fp4ByRule {
     DSV4_DEV void fill() {}
     DSV4_DEV void wait() const {}
-    DSV4_DEV uint32_t operator()(float u) const { return fp4_code(u); }
+    DSV4_DEV uint32_t pair(float lo, float hi) const { return fp4_code_pair(lo, hi); }
   };
 
   /// The fp4 code table as a codec argument: the warp's own copy in shared memory, filled by
@@ -122,7 +127,7 @@ struct Kernel {
       cp_async_wait_all();  // this lane's pieces, then the warp's
       __syncwarp();
     }
-    DSV4_DEV uint32_t operator()(float u) const { return table(u); }
+    DSV4_DEV uint32_t pair(float lo, float hi) const { return table.pair(lo, hi); }
   };
 
   /// The virtual lane of lane j's group g (see the top of the file).
@@ -408,20 +413,51 @@ struct Kernel {
   /// fp4 rows on 8 lanes: a lane's 2-byte code words would make half-sector stores (16 bytes of a
   /// row per store instruction), so the lanes deal them out again: lane j takes virtual lanes 2j,
   /// 2j + 1 (4 bytes at 4j) and 2j + 16, 2j + 17 (at 32 + 4j); every lane has the 4 group
-  /// exponents, packed as the row's 4 scale bytes.
+  /// exponents, packed as the row's 4 scale bytes. On 4 lanes, lane j takes virtual lanes 4j .. 4j + 3
+  /// (8 bytes at 8j) and 16 + 4j .. 19 + 4j (at 32 + 8j).
   static DSV4_DEV IndexerCodes deal_fp4_words(const IndexerCodes& c, int j) {
-    static_assert(kLanes == 8, "8-lane rows: group g is virtual lanes 8g .. 8g + 7");
-    // virtual lane 2j + 16h + i: lane (2j + i) % 8, group 2h + (j >= 4); a shuffle moves two groups
-    const uint32_t halves = j >= 4 ? 0x7632u : 0x5410u;  // the upper or the lower 16 bits of each
     IndexerCodes out{};
+    if constexpr (kLanes == 8) {
+      // virtual lane 2j + 16h + i: lane (2j + i) % 8, group 2h + (j >= 4); a shuffle moves two groups
+      const uint32_t halves = j >= 4 ? 0x7632u : 0x5410u;  // the upper or the lower 16 bits of each
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t both = c.codes[2 * h] | c.codes[2 * h + 1] << 16;
-      const uint32_t even = __shfl_sync(kFullMask, both, (2 * j) % 8, kLanes);
-      const uint32_t odd = __shfl_sync(kFullMask, both, (2 * j + 1) % 8, kLanes);
-      out.codes[h] = __byte_perm(even, odd, halves);
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t both = __byte_perm(c.codes[2 * h], c.codes[2 * h + 1], 0x5410);
+        const uint32_t even = __shfl_sync(kFullMask, both, (2 * j) % 8, kLanes);
+        const uint32_t odd = __shfl_sync(kFullMask, both, (2 * j + 1) % 8, kLanes);
+        out.codes[h] = __byte_perm(even, odd, halves);
+      }
+    } else {
+      static_assert(kLanes == 4, "4 or 8 lanes a row");
+      // virtual lanes 4j + i and 16 + 4j + i are lane i's groups j and j + 4: the 4 lanes transpose
+      // their words d[k] (groups k and k + 4) by two butterfly steps, each swapping the words whose
+      // index bit differs from the lane's, so that lane j ends with d[i] = lane i's word j
+      uint32_t d[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) d[k] = __byte_perm(c.codes[k], c.codes[k + 4], 0x5410);
+#pragma unroll
+      for (int m = 2; m >= 1; m /= 2) {
+        const bool upper = j & m;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k & m) continue;
+          const uint32_t got = __shfl_xor_sync(kFullMask, upper ? d[k] : d[k | m], m);
+          if (upper) {
+            d[k] = got;
+          } else {
+            d[k | m] = got;
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t halves = h == 0 ? 0x5410u : 0x7632u;
+        out.codes[2 * h] = __byte_perm(d[0], d[1], halves);
+        out.codes[2 * h + 1] = __byte_perm(d[2], d[3], halves);
+      }
     }
-    out.scales[0] = c.scales[0] | c.scales[1] << 8 | c.scales[2] << 16 | c.scales[3] << 24;
+    constexpr int kStep = kSpan / 4;  // the groups of the 4 scales
+    out.scales[0] = c.scales[0] | c.scales[kStep] << 8 | c.scales[2 * kStep] << 16 | c.scales[3 * kStep] << 24;
     return out;
   }
 
@@ -432,7 +468,7 @@ struct Kernel {
     hadamard128(v, j);
     if constexpr (F == Format::kIndexerFp8) {
       return encode_indexer_fp8(v);
-    } else if constexpr (kLanes == 8) {
+    } else if constexpr (kLanes <= 8) {
       return deal_fp4_words(encode_indexer_fp4(v, j, fp4), j);
     } else {
       return encode_indexer_fp4(v, j, fp4);
@@ -444,6 +480,12 @@ struct Kernel {
     if constexpr (F == Format::kIndexerFp4 && kLanes == 8) {  // dealt by deal_fp4_words
 #pragma unroll
       for (int h = 0; h < 2; ++h) *reinterpret_cast<uint32_t*>(slot.data + 32 * h + 4 * j) = c.codes[h];
+      if (j == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[0];
+    } else if constexpr (F == Format::kIndexerFp4 && kLanes == 4) {  // dealt; 8-byte aligned (pages of 2+)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<uint2*>(slot.data + 32 * h + 8 * j) = make_uint2(c.codes[2 * h], c.codes[2 * h + 1]);
+      }
       if (j == 0) *reinterpret_cast<uint32_t*>(slot.scales) = c.scales[0];
     } else {
 #pragma unroll
@@ -553,14 +595,22 @@ struct Kernel {
     return out;
   }
 
-  /// UE8M0 exponents of the 32-dim groups that lane j's groups belong to (`a`: their maxima; a
-  /// 32-dim group is 8 virtual lanes, one group of each of 8 neighbouring lanes). The maxima are
-  /// reduced and scattered over those lanes, so lane j ends with the maximum of its group g whose
-  /// bits are j's bits 2, 1 (high first); each lane takes one exponent and the lanes gather them
-  /// (exponents rise with the maximum, so each is the exponent of its group's maximum).
-  static DSV4_DEV void group_exponents(float (&a)[kSpan], int j, int (&e)[kSpan]) {
+  /// UE8M0 exponents of the 32-dim groups that lane j's groups belong to (`lane_max`: their
+  /// maxima; a 32-dim group is 8 virtual lanes, one group of each of 8 neighbouring lanes, or two
+  /// neighbouring groups of each of 4). The maxima are reduced and scattered over those lanes, so
+  /// lane j ends with the maximum of its group g whose bits are j's bits 2, 1 (1, 0 on 4 lanes; high
+  /// first); each lane takes one exponent and the lanes gather them (exponents rise with the
+  /// maximum, so each is the exponent of its group's maximum).
+  static DSV4_DEV void group_exponents(const float (&lane_max)[kSpan], int j, int (&e)[kFp4Groups]) {
+    float a[kFp4Groups];  // this lane's maximum in each 32-dim group it holds values of
 #pragma unroll
-    for (int n = kSpan / 2, m = 4; n >= 1; n /= 2, m /= 2) {  // keep n of 2n maxima: trade the others
+    for (int q = 0; q < kFp4Groups; ++q) {
+      a[q] = lane_max[kFold * q];
+#pragma unroll
+      for (int f = 1; f < kFold; ++f) a[q] = fmaxf(a[q], lane_max[kFold * q + f]);
+    }
+#pragma unroll
+    for (int n = kFp4Groups / 2, m = std::min(4, kLanes / 2); n >= 1; n /= 2, m /= 2) {  // keep n of 2n maxima
       const bool upper = j & m;
 #pragma unroll
       for (int i = 0; i < n; ++i) {
@@ -569,9 +619,12 @@ struct Kernel {
       }
     }
     const int own = ue8m0_scale_exponent<6>(reduce_amax(a[0], 8 / kSpan) * kHadamardScale);
-    constexpr int kShift = 3 - log2_floor(kSpan);  // group g's maximum is at lane g << kShift of the 8
+    // group g's maximum is at lane g << kShift of the 8 (of the row's 4 on 4 lanes)
+    constexpr int kShift = 3 - log2_floor(kSpan);
 #pragma unroll
-    for (int g = 0; g < kSpan; ++g) e[g] = kSpan == 1 ? own : __shfl_sync(kFullMask, own, g << kShift, 8);
+    for (int g = 0; g < kFp4Groups; ++g) {
+      e[g] = kSpan == 1 ? own : __shfl_sync(kFullMask, own, g << kShift, std::min(8, kLanes));
+    }
   }
 
   /// Indexer fp4: e2m1 codes (even dim in the low nibble), one UE8M0 scale per 32-dim group
@@ -584,15 +637,19 @@ struct Kernel {
     float a[kSpan];
 #pragma unroll
     for (int g = 0; g < kSpan; ++g) a[g] = amax4(h[g]);
-    int e[kSpan];
+    int e[kFp4Groups];
     group_exponents(a, j, e);
     code.wait();  // the table copy, if any: first needed here
+    float scale[kFp4Groups];
+#pragma unroll
+    for (int q = 0; q < kFp4Groups; ++q) scale[q] = kHadamardScale * exp2_int(127 - e[q]);
     IndexerCodes out;
 #pragma unroll
     for (int g = 0; g < kSpan; ++g) {
-      const float c = kHadamardScale * exp2_int(127 - e[g]);
-      out.codes[g] = code(h[g][0] * c) | code(h[g][1] * c) << 4 | code(h[g][2] * c) << 8 | code(h[g][3] * c) << 12;
-      out.scales[g] = static_cast<uint32_t>(e[g]);
+      const float c = scale[g / kFold];
+      // the low 16 bits: bits above them are not stored
+      out.codes[g] = __byte_perm(code.pair(h[g][0] * c, h[g][1] * c), code.pair(h[g][2] * c, h[g][3] * c), 0x40);
+      out.scales[g] = static_cast<uint32_t>(e[g / kFold]);
     }
     return out;
   }
@@ -622,11 +679,12 @@ void run_probe(const char* op, const char* x_name, TensorView x, TensorView out)
          static_cast<const float*>(x.data_ptr()), static_cast<Out*>(out.data_ptr()), n.value);
 }
 
-/// The e2m1 codes the fp4 stores write for already-scaled values: by fp4_code, by its table.
+/// The e2m1 code pair (x, x) the fp4 stores write for already-scaled values: by fp4_code, by its
+/// table.
 struct Fp4CodesProbe {
   static DSV4_DEV void apply(float x, uint8_t* out) {
-    out[0] = static_cast<uint8_t>(fp4_code(x));
-    out[1] = static_cast<uint8_t>(kFp4Codes(x));
+    out[0] = static_cast<uint8_t>(fp4_code_pair(x, x));
+    out[1] = static_cast<uint8_t>(kFp4Codes.pair(x, x));
   }
 };
 
@@ -652,9 +710,11 @@ template <typename DType, Format F, bool kPDL>
 struct NormRopeStore {
   using L = Layout<F>;
 
-  /// Large indexer batches: rows on 8 lanes (four rows' loads in flight per warp, each row's
-  /// scalar work — plan, location, RMS scale — shared by fewer threads), fp4 codes by table. Below,
-  /// 16 lanes keep per-thread chains short (measured faster there).
+  /// Large indexer batches: rows on fewer lanes (each row's scalar work — plan, location, RMS
+  /// scale — and its cross-lane steps shared by fewer threads): fp8 on 8 (4 measured slower: its
+  /// 4-byte code words make half-sector stores), fp4 on 4 with codes by table (3 % faster than 8 at
+  /// 16 384 rows; 27 % fewer instructions a row). Below, 16 lanes keep per-thread chains short
+  /// (measured faster there).
   static constexpr uint32_t kLargeBatchRows = 2048;
 
   template <int kLanes, bool kFp4Table = false>
@@ -722,7 +782,14 @@ struct NormRopeStore {
     if constexpr (!L::kIndexer) {
       launch_rows<kWarpSize>(op, dev, p);
     } else {
-      if (p.rows > kLargeBatchRows) return launch_rows<8, F == Format::kIndexerFp4>(op, dev, p);
+      if (p.rows > kLargeBatchRows) {
+        if constexpr (F == Format::kIndexerFp4) {
+          // rows on 4 lanes store 8-byte words: pages of 2+ tokens keep them aligned
+          return page_size > 1 ? launch_rows<4, true>(op, dev, p) : launch_rows<8, true>(op, dev, p);
+        } else {
+          return launch_rows<8>(op, dev, p);
+        }
+      }
       launch_rows<16>(op, dev, p);
     }
   }

@@ -51,11 +51,15 @@ DSV4_DEV uint32_t fp4_code(float u) {
   return (u < 0.0f && idx != 0) ? (idx | 8u) : idx;
 }
 
+/// Two e2m1 codes as one byte, `lo` in the low nibble (the stored order: even dim low).
+DSV4_DEV uint32_t fp4_code_pair(float lo, float hi) { return fp4_code(lo) | fp4_code(hi) << 4; }
+
 /// The e2m1 codes of fp4_code() by table, for kernels that code many values per row: every
 /// threshold has at most two mantissa bits, so |u| > t exactly when the bucket
 /// (bits(|u|) + 2^21 - 1) >> 21 (exponent and two mantissa bits, rounded up) exceeds t's. The
 /// bucket of the signed bits, (bits(u) + 2^21 - 1) >> 21 mod 2^11, carries the sign in bit 10 and
-/// wraps only NaNs, so one 2048-entry table gives the whole code.
+/// wraps only NaNs, so one 2048-entry table gives the whole code. An entry holds its code in both
+/// nibbles, so a pair's byte is one bitwise select of two entries.
 struct alignas(16) Fp4CodeTable {
   static constexpr uint32_t kShift = 21;
   static constexpr uint32_t kRound = (1u << kShift) - 1;
@@ -76,11 +80,19 @@ struct alignas(16) Fp4CodeTable {
 
   static constexpr Fp4CodeTable make() {
     Fp4CodeTable t{};
-    for (uint32_t b = 0; b < kEntries; ++b) t.code[b] = code_of_bucket(b);
+    for (uint32_t b = 0; b < kEntries; ++b) t.code[b] = static_cast<uint8_t>(code_of_bucket(b) * 0x11u);
     return t;
   }
 
-  DSV4_DEV uint32_t operator()(float u) const { return code[bucket_of(__float_as_uint(u))]; }
+  DSV4_DEV uint32_t entry(float u) const { return code[bucket_of(__float_as_uint(u))]; }
+
+  /// fp4_code_pair() by table.
+  DSV4_DEV uint32_t pair(float lo, float hi) const {
+    // (lo & 0x0F) | (hi & ~0x0F) as one lop3 (the compiler masks each side apart)
+    uint32_t byte;
+    asm("lop3.b32 %0, %1, 0x0F, %2, 0xE2;" : "=r"(byte) : "r"(entry(lo)), "r"(entry(hi)));
+    return byte;
+  }
 };
 
 __device__ constexpr Fp4CodeTable kFp4Codes = Fp4CodeTable::make();
