@@ -87,8 +87,8 @@ struct Kernel {
   static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 4 || kLanes == 8 || kLanes == 16)),
                 "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 4, 8 or 16 lanes");
   // Large batches: 8-lane rows in blocks of 8 warps (at 16 384 rows 0.05-0.1 us faster than 4 warps,
-  // and than 16 for fp8 and fp4 decode); 4-lane rows in blocks of 4 (0.15 us faster than 8 warps,
-  // 0.3 us than 2).
+  // and than 16 for fp8 and fp4 decode); 4-lane rows in blocks of 4 (0.15-0.5 us faster than 2, 3,
+  // 5, 6 or 8 warps).
   static constexpr int kWarps = kLanes == 8 ? 8 : 4;
   static constexpr int C = L::kChunks;
   static constexpr int kRowsPerBlock = kWarps * kWarpSize / kLanes;
