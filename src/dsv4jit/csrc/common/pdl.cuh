@@ -1,6 +1,7 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with the PDL attribute may start
 // before its predecessor finishes, so it must wait before reading anything produced upstream
-// (plans included), and may let its own dependents start early once its inputs are consumed.
+// (plans included); before that wait it reads only what no running kernel writes. It may let its
+// own dependents start early, once it has waited itself (then everything before it is complete).
 #pragma once
 
 #include "types.cuh"
