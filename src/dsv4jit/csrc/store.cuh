@@ -78,10 +78,8 @@ struct Params {
   bool is_decode;
 };
 
-/// kLanes: lanes per row; kFp4Table: fp4 codes by table (Fp4CodeTable) in shared memory, several
-/// instructions a value fewer than fp4_code() once the table is in (copying it in costs a round
-/// trip, measured 0.2 us more than fp4_code() for 16 rows).
-template <typename DType, Format F, bool kPDL, int kLanes = kWarpSize, bool kFp4Table = false>
+/// kLanes: lanes per row.
+template <typename DType, Format F, bool kPDL, int kLanes = kWarpSize>
 struct Kernel {
   using L = Layout<F>;
   static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 4 || kLanes == 8 || kLanes == 16)),
@@ -96,6 +94,10 @@ struct Kernel {
   // let it launch before their writes: launched early, the next kernel's blocks and table copies
   // made fp4 at 16 384 rows 10 % slower.
   static constexpr bool kEarlyDependents = kLanes >= 16;
+  // fp4 rows on 8 lanes or fewer (large batches) code by table (Fp4CodeTable) in shared memory,
+  // several instructions a value fewer than fp4_code() once the table is in (copying it in costs a
+  // round trip, measured 0.2 us more than fp4_code() for 16 rows)
+  static constexpr bool kFp4Table = F == Format::kIndexerFp4 && kLanes <= 8;
   static constexpr int C = L::kChunks;
   static constexpr int kRowsPerBlock = kWarps * kWarpSize / kLanes;
   static constexpr int kGroups = L::kHeadDim / (4 * kLanes);      // 4-channel groups per lane
@@ -724,9 +726,9 @@ struct NormRopeStore {
   /// (measured faster there).
   static constexpr uint32_t kLargeBatchRows = 2048;
 
-  template <int kLanes, bool kFp4Table = false>
+  template <int kLanes>
   static void launch_rows(const char* op, const Device& dev, const Params& p) {
-    using K = Kernel<DType, F, kPDL, kLanes, kFp4Table>;
+    using K = Kernel<DType, F, kPDL, kLanes>;
     launch(op, dev.dev, {div_ceil(p.rows, K::kRowsPerBlock), K::kWarps * kWarpSize}, kPDL, store_kernel<K>, p);
   }
 
@@ -792,10 +794,9 @@ struct NormRopeStore {
       if (p.rows > kLargeBatchRows) {
         if constexpr (F == Format::kIndexerFp4) {
           // rows on 4 lanes store 8-byte words: pages of 2+ tokens keep them aligned
-          return page_size > 1 ? launch_rows<4, true>(op, dev, p) : launch_rows<8, true>(op, dev, p);
-        } else {
-          return launch_rows<8>(op, dev, p);
+          if (page_size > 1) return launch_rows<4>(op, dev, p);
         }
+        return launch_rows<8>(op, dev, p);
       }
       launch_rows<16>(op, dev, p);
     }
