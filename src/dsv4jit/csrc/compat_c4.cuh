@@ -92,21 +92,12 @@ struct Kernels {
   /// pages, the others from ragged rows first_ragged + s. Callers have range-checked every source.
   static DSV4_DEV void pool_window(const Params& p, const Lane& lane, uint32_t seq_len, uint32_t buffer_len,
                                    Pages pages, int64_t first_ragged, uint32_t out_row) {
-    const auto* state = static_cast<const BufferT*>(p.base.state);
-    const auto* input = static_cast<const InT*>(p.base.input);
-    const auto* ape = static_cast<const InT*>(p.base.ape);
-    const auto overlap = static_cast<int32_t>(pages.overlap), current = static_cast<int32_t>(pages.current);
+    const compress::WindowSource src{first_ragged, static_cast<int32_t>(pages.overlap),
+                                     static_cast<int32_t>(pages.current), buffer_len, seq_len};
+    typename K::Bias bias;
+    K::load_bias(p.base, lane, bias);
     float kv[W::kSlots][C], z[W::kSlots][C];
-#pragma unroll
-    for (int s = 0; s < W::kSlots; ++s) {
-      if (W::masked(s, seq_len)) {
-        K::mask_slot(kv[s], z[s]);  // before any load: rows before the input start may not exist
-      } else if (static_cast<uint32_t>(s) < buffer_len) {
-        K::load_slot(state + W::state_row(s, overlap, current) * W::kRowWidth, ape, s, lane.channel, kv[s], z[s]);
-      } else {
-        K::load_slot(input + (first_ragged + s) * W::kRowWidth, ape, s, lane.channel, kv[s], z[s]);
-      }
-    }
+    K::template load_window<W::kSlots>(p.base, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
     float v[C];
     const bool holds = K::template reduce_unit<false>(lane, pool_slots(kv, z), v);

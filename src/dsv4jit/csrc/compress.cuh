@@ -82,32 +82,84 @@ struct Params {
   bool after_pool;      // write pass: a pool pass runs just before it (the pass loads before waiting)
 };
 
+/// Where the slots of one window come from (the plan row's view of the state ring and the input).
+struct WindowSource {
+  int64_t first_ragged;  // ragged row of slot 0 (slot s: first_ragged + s)
+  int32_t page_0;        // c4 overlap slots' state page
+  int32_t page_1;        // the other buffered slots' state page
+  uint32_t buffer_len;   // slots below it come from the state ring
+  uint32_t seq_len;      // closing position + 1 (masks the first c4 window)
+};
+
 template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
 struct Kernels {
   using W = Window<kRatio, kHeadDim>;
   static constexpr int C = W::kLaneChannels;
+  static constexpr int kSlots = W::kSlotsPerWarp;
   static constexpr int kUnitsPerBlock = W::kWarpsPerUnit == 1 ? 4 : 1;
   static constexpr int kThreads = kUnitsPerBlock * W::kWarpsPerUnit * kWarpSize;
-  static constexpr int kMinBlocks = W::kOverlap ? 0 : 2;  // 0: the compiler's choice
+  // c4: a warp's whole window in flight (8 kv, 8 score and 8 ape vectors of 16 bytes) takes up to
+  // 128 registers, 4 blocks per SM. c128: 64 registers, two 512-thread units per SM.
+  static constexpr int kMinBlocks = W::kOverlap ? 4 : 2;
 
   /// Per-thread coordinates: which unit, which slots (warp_in_unit), which channels.
   using Lane = UnitLane<C, W::kSlices>;
+  using Bias = Vec<InT, C>[kSlots];
 
   static DSV4_DEV void report(const Params& p, int32_t bit) {
     if (p.status != nullptr) atomicOr(p.status, bit);
   }
 
-  /// kv and score of slot s from a token row (ragged input in InT, or the state in BufferT,
-  /// converted to InT first as the reference does), plus the slot's ape bias.
-  template <typename RowT>
-  static DSV4_DEV void load_slot(const RowT* row, const InT* ape, int s, int channel, float (&kv)[C], float (&z)[C]) {
-    const Vec<RowT, C> k = load_vec<C>(row + W::kv_col(s) + channel);
-    const Vec<RowT, C> sc = load_vec<C>(row + W::score_col(s) + channel);
-    const Vec<InT, C> bias = load_vec<C>(ape + s * kHeadDim + channel);
+  static DSV4_DEV int first_slot(const Lane& lane) { return lane.warp_in_unit * kSlots; }
+
+  /// The ape rows of this warp's slots (read by every unit: cached loads, which the compiler may
+  /// issue next to the window's).
+  static DSV4_DEV void load_bias(const Params& p, const Lane& lane, Bias& bias) {
+    const auto* ape = static_cast<const InT*>(p.ape) + lane.channel;
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) bias[i] = load_vec<C>(ape + (first_slot(lane) + i) * kHeadDim);
+  }
+
+  /// kv and z = score + ape of slot s from the values of a token row (converted to InT first, as
+  /// the reference does with state values).
+  template <typename T>
+  static DSV4_DEV void slot_values(const Vec<T, C>& k, const Vec<T, C>& sc, const Vec<InT, C>& bias, float (&kv)[C],
+                                   float (&z)[C]) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       kv[c] = to_f32(convert<InT>(k[c]));
       z[c] = to_f32(convert<InT>(sc[c])) + to_f32(bias[c]);
+    }
+  }
+
+  /// Loads kv and z of this warp's slots [first, first + N) of the window `src` describes. Every
+  /// load is independent of the others (no branch between them), so all are in flight at once.
+  /// Masked slots load nothing (their rows may not exist) and weigh exactly 0.
+  template <int N>
+  static DSV4_DEV void load_window(const Params& p, const WindowSource& src, const Lane& lane, const Bias& bias,
+                                   float (&kv)[kSlots][C], float (&z)[kSlots][C]) {
+    const auto* state = static_cast<const BufferT*>(p.state) + lane.channel;
+    const auto* input = static_cast<const InT*>(p.input) + lane.channel;
+    const auto* anywhere = static_cast<const InT*>(p.ape) + lane.channel;  // readable at every column offset
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int s = first_slot(lane) + i;
+      const bool masked = W::masked(s, src.seq_len);
+      const bool buffered = static_cast<uint32_t>(s) < src.buffer_len;
+      const BufferT* state_row = state + W::state_row(s, src.page_0, src.page_1) * W::kRowWidth;
+      const InT* input_row = input + (src.first_ragged + s) * W::kRowWidth;
+      if constexpr (std::is_same_v<BufferT, InT>) {
+        // One row pointer per slot, no branch; a masked slot reads ape columns and discards them.
+        const InT* row = masked ? anywhere : buffered ? state_row : input_row;
+        slot_values(load_vec<C>(row + W::kv_col(s)), load_vec<C>(row + W::score_col(s)), bias[i], kv[i], z[i]);
+      } else if (buffered && !masked) {
+        slot_values(load_vec<C>(state_row + W::kv_col(s)), load_vec<C>(state_row + W::score_col(s)), bias[i], kv[i],
+                    z[i]);
+      } else if (!masked) {
+        slot_values(load_vec<C>(input_row + W::kv_col(s)), load_vec<C>(input_row + W::score_col(s)), bias[i], kv[i],
+                    z[i]);
+      }
+      if (masked) mask_slot(kv[i], z[i]);
     }
   }
 
@@ -152,37 +204,30 @@ struct Kernels {
   static DSV4_DEV void prefill_pool(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();  // the plan may come from the planner launched just before
     if (lane.row >= p.num_rows) return;
+    Bias bias;
+    load_bias(p, lane, bias);
     const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
     if (plan.is_invalid()) return;
-    const int64_t first_ragged = int64_t{plan.ragged_id} - (W::kSlots - 1);
-    const bool pages_ok = plan.buffer_len == 0 || ((!W::kOverlap || (plan.read_page_0 >= 0 &&
-                          plan.read_page_0 < p.num_pages)) && plan.read_page_1 >= 0 && plan.read_page_1 < p.num_pages);
-    const bool ragged_ok = first_ragged + plan.buffer_len >= 0 && plan.ragged_id < p.num_input_rows;
+    const WindowSource src{int64_t{plan.ragged_id} - (W::kSlots - 1), plan.read_page_0, plan.read_page_1,
+                           plan.buffer_len, plan.seq_len};
+    const bool pages_ok = plan.buffer_len == 0 || pages_in_range(p, plan.read_page_0, plan.read_page_1);
+    const bool ragged_ok = src.first_ragged + plan.buffer_len >= 0 && plan.ragged_id < p.num_input_rows;
     if (!pages_ok || !ragged_ok) {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange);
       return;
     }
     sink.prepare(lane);
-    const auto* input = static_cast<const InT*>(p.input);
-    const auto* state = static_cast<const BufferT*>(p.state);
-    const auto* ape = static_cast<const InT*>(p.ape);
-    float kv[W::kSlotsPerWarp][C], z[W::kSlotsPerWarp][C];
-#pragma unroll
-    for (int i = 0; i < W::kSlotsPerWarp; ++i) {
-      const int s = lane.warp_in_unit * W::kSlotsPerWarp + i;
-      if (W::masked(s, plan.seq_len)) {
-        mask_slot(kv[i], z[i]);  // never loaded: its rows may not exist
-      } else if (s < plan.buffer_len) {
-        const int64_t row = W::state_row(s, plan.read_page_0, plan.read_page_1);
-        load_slot(state + row * W::kRowWidth, ape, s, lane.channel, kv[i], z[i]);
-      } else {
-        load_slot(input + (first_ragged + s) * W::kRowWidth, ape, s, lane.channel, kv[i], z[i]);
-      }
-    }
+    float kv[kSlots][C], z[kSlots][C];
+    load_window<kSlots>(p, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
     float v[C];
     const bool holds = reduce_unit<Sink::kSlicesInTurn>(lane, pool_slots(kv, z), v);
     sink.emit(lane, holds, v);
+  }
+
+  /// Whether the state pages an event reads exist (c4 reads two, c128 one).
+  static DSV4_DEV bool pages_in_range(const Params& p, int32_t page_0, int32_t page_1) {
+    return (!W::kOverlap || (page_0 >= 0 && page_0 < p.num_pages)) && page_1 >= 0 && page_1 < p.num_pages;
   }
 
   /// Prefill write pass: copy each plan_w row's input token into its state row (cast to BufferT).
@@ -229,64 +274,47 @@ struct Kernels {
 
   /// Decode: write the current token; at a boundary pool the whole window from the ring (the
   /// last slot straight from registers: same values the ring now holds); else zero the output.
+  /// Loads leave in three waves only: the token, ape rows and plan row at once; then, once the
+  /// plan is back, every window slot; the token store and the pooling wait for them.
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
     const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
-    // The last warp's token row does not depend on the plan: loading it first overlaps the two
-    // round trips (an off-boundary row is then one load latency, not two, before its store).
     Vec<InT, C> token[W::kGroups];
-    if (last_warp) {
-      load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
-    }
+    if (last_warp) load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
+    Bias bias;
+    load_bias(p, lane, bias);
     const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
-    const int64_t num_state_rows = p.num_pages * kRatio;
-    if (plan.write_loc < 0 || plan.write_loc >= num_state_rows) {
+    // Every field is needed before the first branch, so the row arrives in one round trip.
+    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : plan.write_loc % kRatio == kRatio - 1;
+    const bool pooled = boundary && pages_in_range(p, plan.read_page_0, plan.read_page_1);
+    if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, kWriteLocOutOfRange);
       return;
     }
-    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : plan.write_loc % kRatio == kRatio - 1;
-    const bool pages_ok = (!W::kOverlap || (plan.read_page_0 >= 0 && plan.read_page_0 < p.num_pages)) &&
-                          plan.read_page_1 >= 0 && plan.read_page_1 < p.num_pages;
-    const auto* state = static_cast<const BufferT*>(p.state);
-    const auto* ape = static_cast<const InT*>(p.ape);
     sink.prepare(lane);
-    float kv[W::kSlotsPerWarp][C], z[W::kSlotsPerWarp][C];
-    if (boundary && pages_ok) {
-#pragma unroll
-      for (int i = 0; i < W::kSlotsPerWarp - 1; ++i) {  // slot Wn-1 (the current token) comes below
-        const int s = lane.warp_in_unit * W::kSlotsPerWarp + i;
-        if (W::masked(s, plan.seq_len)) {
-          mask_slot(kv[i], z[i]);
-        } else {
-          const int64_t row = W::state_row(s, plan.read_page_0, plan.read_page_1);
-          load_slot(state + row * W::kRowWidth, ape, s, lane.channel, kv[i], z[i]);
-        }
+    float kv[kSlots][C], z[kSlots][C];
+    if (pooled) {
+      const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
+      if (last_warp) {
+        load_window<kSlots - 1>(p, src, lane, bias, kv, z);  // the last slot is the token, below
+      } else {
+        load_window<kSlots>(p, src, lane, bias, kv, z);
       }
     }
     if (last_warp) {
       store_state_row(p, token, plan.write_loc, lane.channel);
-      if (boundary && pages_ok) {  // through BufferT, exactly as a read-back of the ring would be
-        const int s = W::kSlots - 1;
-        const Vec<InT, C>& k = token[W::kv_col(s) / kHeadDim];
-        const Vec<InT, C>& sc = token[W::score_col(s) / kHeadDim];
-        const Vec<InT, C> bias = load_vec<C>(ape + s * kHeadDim + lane.channel);
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          kv[W::kSlotsPerWarp - 1][c] = to_f32(convert<InT>(convert<BufferT>(k[c])));
-          z[W::kSlotsPerWarp - 1][c] = to_f32(convert<InT>(convert<BufferT>(sc[c]))) + to_f32(bias[c]);
-        }
-      }
-    } else if (boundary && pages_ok) {
-      const int s = lane.warp_in_unit * W::kSlotsPerWarp + W::kSlotsPerWarp - 1;
-      load_slot(state + W::state_row(s, plan.read_page_0, plan.read_page_1) * W::kRowWidth, ape, s, lane.channel,
-                kv[W::kSlotsPerWarp - 1], z[W::kSlotsPerWarp - 1]);
+      // Through BufferT, exactly as a read-back of the ring would be.
+      constexpr int s = W::kSlots - 1;
+      slot_values(convert_vec<BufferT>(token[W::kv_col(s) / kHeadDim]),
+                  convert_vec<BufferT>(token[W::score_col(s) / kHeadDim]), bias[kSlots - 1], kv[kSlots - 1],
+                  z[kSlots - 1]);
     }
     pdl_launch_dependents<kPDL>();
     float v[C];
     bool holds;
-    if (boundary && pages_ok) {
+    if (pooled) {
       holds = reduce_unit<Sink::kSlicesInTurn>(lane, pool_slots(kv, z), v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
