@@ -20,7 +20,7 @@ from dsv4jit.reference import store as ref_store
 from pool_utils import SWA_PAGE, random_batch, random_pool
 
 EPS = 1e-6
-PAGE_SIZE = {4: 64, 128: 2}  # compressed-cache page sizes of the model (SPEC §G)
+PAGE_SIZE = {4: 64, 128: 2}  # compressed-cache page sizes of the model (contract §1.6)
 RING = {4: 8, 128: 128}
 ROW_WIDTH = {4: 4, 128: 2}  # state/input row width in units of head_dim
 

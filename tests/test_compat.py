@@ -1,4 +1,5 @@
-"""The compat_c4 kernels (dsv4jit.compat on CUDA tensors; SPEC §A.4, §C.7, Decisions 2/6/10).
+"""The compat_c4 kernels (dsv4jit.compat on CUDA tensors): contract §7, with the checks, precision and
+dtypes of contract §9.2, contract §9.6 and contract §9.10.
 
 Each schedule drives ``Sim`` (tests/test_reference_compat.py) on the GPU: random prefill chunks (any
 alignment, first windows, windows that read the state, plans in shuffled order with invalid and
@@ -33,7 +34,7 @@ from dsv4jit.reference import compat as ref_compat
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 F32, BF16 = torch.float32, torch.bfloat16
-# (head_dim, state, input/output): the serving pair plus bf16 state (Decision 10) and bf16 I/O.
+# (head_dim, state, input/output): the serving pair plus bf16 state (contract §9.10) and bf16 I/O.
 CONFIGS = [(512, F32, F32), (128, F32, F32), (512, BF16, F32), (128, BF16, BF16)]
 
 

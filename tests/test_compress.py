@@ -1,13 +1,14 @@
-"""compress_forward (SPEC §C c4, §D c128, §B.12, Decisions 3/6/10) through the public API.
+"""compress_forward through the public API: contract §4, the oracle of contract §3.11, and the
+choices of contract §9.3, contract §9.6 and contract §9.10.
 
 Every test runs on "cpu" (the torch reference backend; also exercises the test logic) and on "cuda"
 (the kernels; skipped without a GPU). Plans come from the real planner (CompressorPrefillPlan /
 CompressorDecodePlan), the state pool is a paged pool from ``pool_utils.random_pool`` (or a request
 ring / the legacy layout), and a ``Scenario`` keeps every request's true token history.
 
-Oracle (independent of the op): an fp64 window softmax (§C.2/§C.3, §D.2) over the request's token
+Oracle (independent of the op): an fp64 window softmax (contract §4.1 to contract §4.3) over the request's token
 history. The values pooled are the ones the op is specified to see: a position written by an earlier
-step is read back from the state (input -> state dtype -> input dtype, §H.18); a position of the
+step is read back from the state (input -> state dtype -> input dtype, contract §4.1); a position of the
 current prefill step comes straight from the input; a decode step reads its own token back from the
 state. With an fp32 output the tolerance is 1e-5 (cpu) / 1e-4 (cuda) in atol and rtol, otherwise 5e-3.
 
@@ -82,12 +83,12 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
 
 
 def pool_fp64(rows: torch.Tensor, present: torch.Tensor, ape: torch.Tensor, ratio: int, hd: int) -> torch.Tensor:
-    """fp64 softmax pooling (§C.3) of windows ``rows [N, Wn, last_dim]``; absent slots weigh 0."""
+    """fp64 softmax pooling (contract §4.1) of windows ``rows [N, Wn, last_dim]``; absent slots weigh 0."""
     rows = rows.to(torch.float64).masked_fill(~present[..., None], 0.0)
-    if ratio == 4:  # slots 0-3: overlap role (kv_o, score_o); slots 4-7: current role (kv, score), §C.2
+    if ratio == 4:  # slots 0-3: overlap role (kv_o, score_o); slots 4-7: current role (kv, score), contract §4.2
         kv = torch.cat([rows[:, :4, 0:hd], rows[:, 4:, hd:2 * hd]], dim=1)
         score = torch.cat([rows[:, :4, 2 * hd:3 * hd], rows[:, 4:, 3 * hd:4 * hd]], dim=1)
-    else:  # §D.2
+    else:  # contract §4.3
         kv, score = rows[..., 0:hd], rows[..., hd:2 * hd]
     z = (score + ape.to(torch.float64)).masked_fill(~present[..., None], float("-inf"))
     e = torch.exp(z - z.amax(dim=1, keepdim=True))
@@ -515,7 +516,7 @@ def test_explicit_out_of_another_dtype(device, ratio, state_dtype, in_dtype, out
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. long random scenario: the §B.12 oracle over chunked prefills and decodes
+# 7. long random scenario: the contract §3.11 oracle over chunked prefills and decodes
 # ------------------------------------------------------------------------------------------------
 
 def run_random_scenario(sc: Scenario, rng: random.Random, *, num_requests, max_prompt, max_chunk, decode_steps):
@@ -553,7 +554,7 @@ RANDOM_CASES = [(C4_PAGED_8, torch.float32), (C4_PAGED_16, torch.float32), (C4_R
 @pytest.mark.parametrize("device", DEVICES)
 def test_random_scenario_history_oracle(device, config, state_dtype):
     """4-6 requests, random chunked prefills (chunks incl. 1, unaligned prefixes), then decode steps;
-    every compress event equals the fp64 pooling of the request's full history (§B.12)."""
+    every compress event equals the fp64 pooling of the request's full history (contract §3.11)."""
     ratio = config[0]
     big = torch.device(device).type == "cuda"
     seed = 1000 + 10 * ALL_CONFIGS.index(config) + (state_dtype == torch.bfloat16)

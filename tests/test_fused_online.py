@@ -1,5 +1,5 @@
 """compress_and_store(..., is_online=True): byte-identical to compress_forward(..., is_online=True)
-followed by compress_norm_rope_store (SPEC §E, then §F).
+followed by compress_norm_rope_store (contract §5, then contract §6).
 
 Two copies of one online c128 state pool (one running-softmax row per request, random request slots)
 and of one paged V4 cache run the same steps (same generate_online plans, same random inputs): copy A

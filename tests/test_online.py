@@ -1,9 +1,9 @@
-"""Online c128 kernels (SPEC §E) through compress_forward(..., is_online=True) on the GPU.
+"""Online c128 kernels (contract §5) through compress_forward(..., is_online=True) on the GPU.
 
 Oracles: the plain c128 window softmax in fp64 of each request's token history (fp32 state: every
-emitted row, for any chunking); the §E model in fp64 (reference/online.py with fp64 math) for the
+emitted row, for any chunking); the contract §5 model in fp64 (reference/online.py with fp64 math) for the
 stored states after every step — on its own state for fp32, and as one update of the previously
-stored state for bf16 (whose drift from the plain softmax is reported, not asserted: SPEC §E).
+stored state for bf16 (whose drift from the plain softmax is reported, not asserted: contract §5.5).
 Outputs are NaN-poisoned before every call; the state pool starts all-NaN.
 """
 
@@ -162,7 +162,7 @@ def test_bf16_state_step_by_step():
     runner = Runner([300, 270, 390], state_dtype=torch.bfloat16, seed=3)
     drive(runner, rng, prefill_chunks=1)
     drift = runner.check_events_against_plain_softmax(None)
-    print(f"bf16 online state: max |emitted - plain softmax| = {drift:.4f} (not asserted, SPEC §E)")
+    print(f"bf16 online state: max |emitted - plain softmax| = {drift:.4f} (not asserted, contract §5.5)")
 
 
 @pytest.mark.parametrize("use_cuda_graph", [False, True])

@@ -1,10 +1,10 @@
-"""dsv4jit.compat on CPU tensors: the torch reference of the older c4 entry points (SPEC §A.4, §C.7).
+"""dsv4jit.compat on CPU tensors: the torch reference of the older c4 entry points (contract §7).
 
 * Hand-computed cases: equal scores make an event the plain mean of its 8 (or, in the first window,
   4) kv values, so each test names by hand which ring row / page row / ragged row every slot reads.
 * ``Sim``: a pool of requests driven step by step (prefill chunks, decodes) in ring or paged mode,
   with the plans and page bundles built by the test from each request's block -> page table. Every
-  event is checked against the fp64 history oracle of §B.12 (main reference's
+  event is checked against the fp64 history oracle of contract §3.11 (main reference's
   ``event_window_reference``); the state is checked bit for bit against the rows the test knows
   were written (the pool starts all-NaN); outputs are NaN-poisoned. With ``cross_check`` every step
   also runs the main reference (dsv4jit.reference.compress) on equivalent CompressPlan / WritePlan /
@@ -50,7 +50,7 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
 
 def tolerance(out_dtype: torch.dtype, device: torch.device) -> float:
     if out_dtype != torch.float32:
-        return 5e-3  # the precision contract (Decision 6)
+        return 5e-3  # the precision contract (contract §9.6)
     return 1e-5 if device.type == "cpu" else 2e-5
 
 

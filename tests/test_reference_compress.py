@@ -1,9 +1,9 @@
-"""CPU tests of the pure-PyTorch compress reference (SPEC §C, §D, §E, §B.12).
+"""CPU tests of the pure-PyTorch compress reference (contract §4, contract §5, contract §3.11).
 
-Expected values come from the SPEC formulas evaluated independently here: scalar loops with
+Expected values come from the contract's formulas evaluated independently here: scalar loops with
 math.exp over one channel, and the plain fp64 softmax over a request's token history. Plans are
-built by hand (or by the small request-ring planner below, written from §B.3/§B.7) with the
-plan_layout encoders.
+built by hand (or by the small request-ring planner below, written from contract §3.2, contract §3.3
+and contract §3.7) with the plan_layout encoders.
 """
 
 import math
@@ -66,7 +66,7 @@ def decode_plan(rows):
 
 
 def ring_prefill_plans(R, ring, reqs):
-    """Request-ring prefill plans of one step (§B.3 stage 0 + §B.4 translation).
+    """Request-ring prefill plans of one step (contract §3.2, contract §3.3 rows + contract §3.4 translation).
 
     reqs: [(rid, prefix_len, extend_len)] in batch order. Returns plan_c, plan_w and, per plan_c
     row, the (batch index, closing position) of its event.
@@ -86,7 +86,7 @@ def ring_prefill_plans(R, ring, reqs):
                 if buffer_len > 0:
                     pages = (ring_row(rid, max(p - R, 0), ring) // R, ring_row(rid, p, ring) // R)
                 else:
-                    pages = (-1, b)  # untranslated stage-0 leftovers (§H.2)
+                    pages = (-1, b)  # untranslated stage-0 leftovers (contract §3.4)
                 c_rows.append((p + 1, rg, buffer_len, *pages))
                 events.append((b, p))
             if p >= first_w:
@@ -96,7 +96,7 @@ def ring_prefill_plans(R, ring, reqs):
 
 
 def ring_decode_plan(R, ring, reqs):
-    """reqs: [(rid, seq_len)] -> plan_d (§B.7, request ring)."""
+    """reqs: [(rid, seq_len)] -> plan_d (contract §3.7, request ring)."""
     rows = []
     for rid, seq in reqs:
         p1 = seq - 1
@@ -112,7 +112,8 @@ def fill_ring(flat, rid, history, ring):
 
 
 def slot_values(history, p, s, d, R):
-    """(kv, score) of channel d in window slot s of the event at p, straight from §C.2 / §D.2 / §C.1."""
+    """(kv, score) of channel d in window slot s of the event at p, straight from contract §4.2,
+    contract §4.3 and contract §1.3."""
     hd, wn = HD[R], WN[R]
     row = history[p - wn + 1 + s].double()
     if R == 4 and s < 4:
@@ -123,7 +124,7 @@ def slot_values(history, p, s, d, R):
 
 
 def scalar_pool(kvs, scores, apes):
-    """§C.3 for one channel, one slot at a time."""
+    """contract §4.1 for one channel, one slot at a time."""
     z = [sc + a for sc, a in zip(scores, apes)]
     m = max(z)
     e = [math.exp(zi - m) for zi in z]
@@ -163,7 +164,7 @@ def test_window_softmax_matches_scalar_loop():
 
 
 # ---------------------------------------------------------------------------------------------
-# c4 prefill with state context: the worked example of §B.11 (request ring, ring_size 8)
+# c4 prefill with state context: the worked example of contract §3.10 (request ring, ring_size 8)
 # ---------------------------------------------------------------------------------------------
 
 def c4_worked_example(gen, buffer_dtype=torch.float32, input_dtype=torch.float32):
@@ -279,7 +280,7 @@ def test_c4_first_window_does_not_read_overlap_state_page():
 
 
 # ---------------------------------------------------------------------------------------------
-# c128 prefill with context (§B.11 second example), two requests
+# c128 prefill with context (the c128 example of contract §3.10), two requests
 # ---------------------------------------------------------------------------------------------
 
 def test_c128_prefill_with_context():
@@ -333,7 +334,7 @@ def test_decode_boundary_and_non_boundary_rows(R):
 
     close(out[0], event_window_reference(histories[0], reqs[0][1] - 1, ape, head_dim=hd, compress_ratio=R), 1e-5)
     close(out[2], event_window_reference(histories[2], reqs[2][1] - 1, ape, head_dim=hd, compress_ratio=R), 1e-5)
-    assert torch.equal(out[1], torch.zeros(hd))  # non-boundary: zero-filled (Decision 3)
+    assert torch.equal(out[1], torch.zeros(hd))  # non-boundary: zero-filled (contract §9.3)
     d = hd - 1
     assert abs(float(out[0, d]) - scalar_event(histories[0], reqs[0][1] - 1, ape, d, R)) < 1e-5
     for b, (rid, seq) in enumerate(reqs):  # every row stored its token, boundary or not
@@ -368,7 +369,7 @@ def test_prefill_invalid_rows_left_untouched():
 
 
 # ---------------------------------------------------------------------------------------------
-# Mixed dtypes (Decisions 6 and 10)
+# Mixed dtypes (contract §9.6 and contract §9.10)
 # ---------------------------------------------------------------------------------------------
 
 def bf16_round_nearest_even(x):
@@ -443,7 +444,7 @@ def test_event_window_reference_matches_no_context_prefill(R, seq_len):
 
 
 # ---------------------------------------------------------------------------------------------
-# §B.12: any chunking of prefills and decodes gives the plain softmax over the history
+# contract §3.11: any chunking of prefills and decodes gives the plain softmax over the history
 # ---------------------------------------------------------------------------------------------
 
 SCHEDULES = {
@@ -495,7 +496,7 @@ def test_chunked_steps_match_history_oracle(R, ring):
 
 
 # ---------------------------------------------------------------------------------------------
-# Online c128 running state (§E)
+# Online c128 running state (contract §5)
 # ---------------------------------------------------------------------------------------------
 
 def online_inputs(gen, n, hd=64, dtype=torch.float64):

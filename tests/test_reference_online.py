@@ -1,9 +1,9 @@
-"""Online c128 (SPEC §E) on the CPU: the torch reference (also the CPU backend of compress_forward with
+"""Online c128 (contract §5) on the CPU: the torch reference (also the CPU backend of compress_forward with
 is_online=True) and the host planner (generate_online with every input on the CPU).
 
 Oracles: hand-computed updates; the plain c128 window softmax in fp64 of the same token history
 (reference.compress.event_window_reference), which the online state must reproduce for any chunking;
-and a small Python enumeration of the §E segment plans written here from the SPEC text.
+and a small Python enumeration of the segment plans written here from contract §3.8.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from dsv4jit.reference import online as ref_online
 HD = 128  # smallest head_dim the op accepts with is_online=True
 
 
-# ---- the §E segment enumeration (independent of the planner) ----------------------------------
+# ---- the contract §3.8 segment enumeration (independent of the planner) -------------------------
 
 def expected_plans(seq, ext, rpi, offset, num_q, use_cuda_graph):
-    """(plan_c, plan_w) bytes of §E: segments split at 128-chunk boundaries, batch-major, positions ascending."""
+    """(plan_c, plan_w) bytes of contract §3.8: segments split at 128-chunk boundaries, batch-major,
+    positions ascending."""
     rows_c, rows_w, base = [], [], 0
     for b, (s, e) in enumerate(zip(seq, ext)):
         prefix, pos = s - e, s - e

@@ -1,9 +1,9 @@
-"""CPU tests of the reference planner (SPEC §B).
+"""CPU tests of the reference planner (contract §3).
 
-Expectations are derived from SPEC.md by hand (worked examples, edge cases) or from independent
-restatements of the contract: the state-row formulas below use the simplified forms the spec
+Expectations are derived from docs/contract.md by hand (worked examples, edge cases) or from independent
+restatements of the contract: the state-row formulas below use the simplified forms contract §3.1
 proves equivalent (in-ring offset = pos mod ring_size, legacy = request ring of Wn rows), and the
-simulator applies plans the way the kernels do (§C.4, §C.5, §D.4) on integer token ids.
+simulator applies plans the way the kernels do (contract §4.4, contract §4.5) on integer token ids.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dsv4jit.reference.plan import (
 )
 
 SWA_PAGE_SIZE = 256
-#: mtp_pad per (ratio, ring_size), the table of §B.9.
+#: mtp_pad per (ratio, ring_size), the table of contract §3.9.
 MTP_PAD = {(4, 8): 0, (4, 16): 10, (128, 128): 0, (128, 256): 130}
 
 
@@ -85,7 +85,7 @@ CONFIGS = [Cfg("paged", 4, 8), Cfg("paged", 4, 16), Cfg("req_ring", 4, 8), Cfg("
 
 
 def expected_row(cfg: Cfg, pool: Pool, rid: int, pos: int) -> int:
-    if cfg.mode == "legacy":  # identical to a request ring of Wn rows (§B.2)
+    if cfg.mode == "legacy":  # identical to a request ring of Wn rows (contract §3.1)
         return rid * cfg.wn + pos % cfg.wn
     if cfg.mode == "req_ring" or cfg.R == 128:
         return rid * cfg.ring + pos % cfg.ring
@@ -93,7 +93,7 @@ def expected_row(cfg: Cfg, pool: Pool, rid: int, pos: int) -> int:
 
 
 def expected_write_positions(cfg: Cfg, seq_len: int, extend_len: int) -> set[int]:
-    """The write set of §B.3 'Meaning', as a set: open window (+ the overlap half for c4),
+    """The write set of contract §3.3, as a set: open window (+ the overlap half for c4),
     the trailing mtp_pad tokens, and (paged c4) the last 4 tokens of every SWA page."""
     keep = set(range(seq_len - seq_len % cfg.R - (4 if cfg.R == 4 else 0), seq_len))
     keep |= set(range(seq_len - cfg.mtp_pad, seq_len))
@@ -130,7 +130,7 @@ INVALID_W = (INVALID_U32, -1)
 
 
 # ---------------------------------------------------------------------------------------------
-# Addressing helpers (§B.2)
+# Addressing helpers (contract §3.1)
 # ---------------------------------------------------------------------------------------------
 
 def test_addressing_helpers():
@@ -141,7 +141,7 @@ def test_addressing_helpers():
     full_to_state[7] = 2 * 256 + 44
     assert paged_swa_row(req_to_token, full_to_state, 1, 300, 256, 8) == 2 * 8 + 44 % 8
     assert paged_swa_row(req_to_token, full_to_state, 1, 300, 256, 16) == 2 * 16 + 44 % 16
-    # An evicted slot (-1) follows C arithmetic: row -1 (§H.11).
+    # An evicted slot (-1) follows C arithmetic: row -1 (contract §9.11).
     req_to_token[1, 301] = 8
     assert paged_swa_row(req_to_token, full_to_state, 1, 301, 256, 8) == -1
     # full_to_state values are narrowed to int32.
@@ -158,7 +158,7 @@ def test_addressing_helpers():
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 0 (§B.3)
+# Stage 0 (contract §3.2, contract §3.3)
 # ---------------------------------------------------------------------------------------------
 
 def test_stage0_rows_before_translation():
@@ -184,7 +184,7 @@ def test_stage0_mtp_pad_and_page_tail_flags():
 
 
 # ---------------------------------------------------------------------------------------------
-# Worked examples (§B.11)
+# Worked examples (the scenarios of contract §3.10)
 # ---------------------------------------------------------------------------------------------
 
 def _single_request_tables(rid: int, swa_page: int, ctx: int = 512):
@@ -234,7 +234,7 @@ def test_worked_example_c128_prefix_100_extend_200():
 
 
 # ---------------------------------------------------------------------------------------------
-# Edge cases named in the spec
+# Edge cases named in contract §3.3
 # ---------------------------------------------------------------------------------------------
 
 def test_c4_seq_multiple_of_4_still_writes_last_4():
@@ -315,7 +315,7 @@ def test_first_c4_window():
     pool = make_pool(torch.Generator().manual_seed(5), 4, 512)
     # Prefix 1, extend 3: event at p=3 (j=2), buffer_len 8-3 = 5 (slots 0-3 masked, slot 4 = position 0).
     plan_c, plan_w = run_prefill(Cfg("req_ring", 4, 8), pool, [2], [4], [3])
-    # read_page_0 = page of max(3-4, 0) = 0, read_page_1 = page of 3: both 2*8 div 4 = 4 (aliased, §H.10).
+    # read_page_0 = page of max(3-4, 0) = 0, read_page_1 = page of 3: both 2*8 div 4 = 4 (aliased, contract §3.4).
     assert c_rows(plan_c) == [(4, 2, 5, 4, 4)]
     assert w_rows(plan_w) == [(0, 17), (1, 18), (2, 19)]
     # Decode at seq_len 4 for c4 req-ring and legacy: pages of 0 and 3 alias.
@@ -386,7 +386,7 @@ def test_num_q_tokens_limit_is_inclusive():
 
 
 # ---------------------------------------------------------------------------------------------
-# Limits (§B.8): ValueError naming the argument
+# Limits (contract §8.2): ValueError naming the argument
 # ---------------------------------------------------------------------------------------------
 
 def test_limits_raise_value_error():
@@ -425,7 +425,7 @@ def test_limits_raise_value_error():
 
 
 # ---------------------------------------------------------------------------------------------
-# Invariants on randomized batches (§B.12)
+# Invariants on randomized batches (contract §3.11)
 # ---------------------------------------------------------------------------------------------
 
 def random_batch(rng: random.Random, cfg: Cfg, num_reqs: int, max_ctx: int):
@@ -501,7 +501,7 @@ def test_planning_is_fast():
 
 
 # ---------------------------------------------------------------------------------------------
-# Simulation: apply plans to a state ring of token ids and check every compress window (§B.12)
+# Simulation: apply plans to a state ring of token ids and check every compress window (contract §3.11)
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -540,7 +540,7 @@ class RingSim:
         bases = [sum(extend_lens[:b]) for b in range(len(batch))]
         plan_c, plan_w = run_prefill(cfg, self.pool, rids, seq_lens, extend_lens)
 
-        # Compress first: it reads the ring as it was before this step's writes (§C.4).
+        # Compress first: it reads the ring as it was before this step's writes (contract §4.4).
         for seq_len, rg, buffer_len, rp0, rp1 in c_rows(plan_c):
             if seq_len == INVALID_U32:
                 continue
@@ -570,12 +570,12 @@ class RingSim:
         for b, req in enumerate(batch):
             seq_len, loc, rp0, rp1 = (int(x[b]) for x in d)
             p = seq_len - 1
-            self.state[loc] = req.history[p]  # decode writes before it reads (§C.5)
+            self.state[loc] = req.history[p]  # decode writes before it reads (contract §4.5)
             if cfg.R == 4:
                 fires = seq_len % 4 == 0
                 slot_token = lambda s: self._page_row(rp0, s) if s < 4 else self._page_row(rp1, s - 4)  # noqa: E731
             else:
-                fires = loc % 128 == 127  # §D.4 trigger, equivalent to seq_len % 128 == 0
+                fires = loc % 128 == 127  # contract §4.5 trigger, equivalent to seq_len % 128 == 0
                 assert fires == (seq_len % 128 == 0)
                 slot_token = lambda s: self._page_row(rp1, s)  # noqa: E731
             if fires:
@@ -644,7 +644,7 @@ def test_simulation_prefix_cache_resume_at_swa_page_boundary(ring: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Speculative verify steps with rollback (§B.3 mtp_pad, §B.12)
+# Speculative verify steps with rollback (contract §3.3 mtp_pad, contract §3.11)
 # ---------------------------------------------------------------------------------------------
 
 class Tokens:

@@ -1,6 +1,6 @@
-"""CPU tests of the norm/rope/store reference (SPEC §F): codecs, math, cache layouts, row selection.
+"""CPU tests of the norm/rope/store reference (contract §6): codecs, math, cache layouts, row selection.
 
-Expected values come from the SPEC formulas re-derived here (scalar loops, math.frexp, torch's own
+Expected values come from the contract's formulas re-derived here (scalar loops, math.frexp, torch's own
 float8 conversion, hand-worked codes), never from the code under test.
 """
 
@@ -169,7 +169,7 @@ def test_hadamard128_properties():
 # ----------------------------------------------------------------------------- norm and rope
 
 def scalar_norm_rope(x, w, eps, cos_sin, rope_dim=64):
-    """§F.2/§F.3 in Python floats, one row."""
+    """contract §6.2 and contract §6.3 in Python floats, one row."""
     hd = len(x)
     r = 1.0 / math.sqrt(sum(v * v for v in x) / hd + eps)
     y = [x[d] * r * w[d] for d in range(hd)]
@@ -245,7 +245,7 @@ NUM_PAGES = {1: 40, 2: 20, 64: 3}
 
 
 def written_spans(fmt, slot, ps):
-    """(start, length) byte spans a token at ``slot`` owns in its page, per §F.5."""
+    """(start, length) byte spans a token at ``slot`` owns in its page, per contract §6.5."""
     return {
         "v4_fp8": [(slot * 576, 576), (ps * 576 + slot * 8, 7)],       # scale byte 7 excluded
         "v4_bf16": [(slot * 1024, 1024)],

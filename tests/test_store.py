@@ -1,4 +1,5 @@
-"""compress_norm_rope_store (SPEC §F, §A.3, §H.5/H.6/H.16/H.19/H.20, Decisions 2 and 6) through the public API.
+"""compress_norm_rope_store through the public API: contract §6, with contract §2.4, contract §8.4,
+contract §9.2 and contract §9.6.
 
 Every test runs on "cpu" (the torch reference backend; also exercises the test logic) and on "cuda"
 (the kernel; skipped without a GPU), except the few that only make sense with a GPU.
@@ -7,22 +8,22 @@ Expected bytes: the torch reference (``dsv4jit.reference.store``, validated on i
 tests/test_reference_store.py) run on CPU copies of the same inputs into an identically poisoned
 cache. The device cache is compared with it:
 
-* bytes outside the spans §F.5 gives each stored token (other slots, skipped / invalid rows, V4
+* bytes outside the spans contract §6.5 gives each stored token (other slots, skipped / invalid rows, V4
   scale byte 7, V4 page padding) keep the 0xAB poison, in both caches;
 * scale bytes (V4 UE8M0, fp4 UE8M0) are identical on >= 99.9 % of tiles; a differing tile must
   differ by one exponent and its fp64 amax must sit at the power-of-two boundary between them;
 * e4m3 / fp4 codes and bf16 values (V4 rope part, bf16_store rows) are identical except on
   <= 0.1 % (fp4: 0.5 %) of elements, each off by one code step / one bf16 ulp — the kernel's fp32
   normed values may differ from the reference's by about an ulp (warp-order RMSNorm reduction,
-  fp32 Hadamard butterfly), which can flip a value sitting on a rounding boundary (Decision 6);
+  fp32 Hadamard butterfly), which can flip a value sitting on a rounding boundary (contract §9.6);
 * the indexer fp8 fp32 scale agrees to a relative 2^-20 (see INDEXER_FP8_SCALE_RTOL);
 * the dequantized device values (``reference.store.read_cache``) are within the quantization error
-  bound of an fp64 evaluation of RMSNorm + RoPE (+ Hadamard) written here from §F.2-§F.4.
+  bound of an fp64 evaluation of RMSNorm + RoPE (+ Hadamard) written here from contract §6.2 to contract §6.4.
 
 Plans are built directly (plan_layout encoders) so that they contain invalid rows (both the sentinel
-and rows invalid by seq_len alone, §H.2), decode rows off a compress boundary with garbage in
-write_loc (bytes 4-7 are no ragged id, §A.3), ragged ids in random order (out_loc is indexed by
-ragged id in prefill, by row in decode, §H.5), and out_loc entries of skipped rows that point at
+and rows invalid by seq_len alone, contract §2.2), decode rows off a compress boundary with garbage in
+write_loc (bytes 4-7 are no ragged id, contract §2.4), ragged ids in random order (out_loc is indexed by
+ragged id in prefill, by row in decode, contract §6.1), and out_loc entries of skipped rows that point at
 real, unused slots (so a wrong store shows up in the poison check). One test uses the real planner.
 """
 
@@ -97,7 +98,7 @@ IDX_FP8 = Fmt("indexer_fp8", 128, 4, 64, 3)
 IDX_FP4 = Fmt("indexer_fp4", 128, 4, 64, 3, use_fp4=True)
 FORMATS = [V4_C4, V4_C128, V4_BF16, IDX_FP8, IDX_FP4]
 
-#: Bytes one token owns in its page (§F.5), as (offset from the page start, length).
+#: Bytes one token owns in its page (contract §6.5), as (offset from the page start, length).
 def token_spans(fmt: Fmt, slot: int) -> list[tuple[int, int]]:
     ps = fmt.page_size
     if fmt.name == "v4_fp8":   # 576 data bytes; 7 of the 8 scale bytes (byte 7 is padding, never written)
@@ -161,7 +162,7 @@ def random_freq_cis(max_pos: int, g: torch.Generator) -> torch.Tensor:
 
 def yarn_freq_cis(max_pos: int, *, base: float = 40000.0, factor: float = 16.0, original: int = 256,
                   beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
-    """A YaRN-style table (§F.3): extrapolated high frequencies, interpolated low ones, a linear ramp."""
+    """A YaRN-style table (contract §6.3): extrapolated high frequencies, interpolated low ones, a linear ramp."""
     dim = 64
     freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
 
@@ -201,7 +202,7 @@ def make_case(fmt: Fmt, kv_dtype: torch.dtype, decode: bool, loc_dtype: torch.dt
     R, n = fmt.ratio, rows
     slots = fmt.num_pages * fmt.page_size
     assert slots >= n + 8
-    # Slot 0 is never a target: out_loc entries of tokens without an event are 0 (META, §F.1).
+    # Slot 0 is never a target: out_loc entries of tokens without an event are 0 (contract §6.1).
     perm = torch.randperm(slots - 1, generator=g) + 1
     targets = perm[:n]
     decoys = torch.cat([torch.zeros(1, dtype=torch.int64), perm[n:]])
@@ -242,7 +243,7 @@ def make_case(fmt: Fmt, kv_dtype: torch.dtype, decode: bool, loc_dtype: torch.dt
         invalid = (~valid).nonzero().flatten()
         sentinel, by_seq_len = invalid[0::2], invalid[1::2]
         plan_c[sentinel] = invalid_compress_rows(len(sentinel))
-        # invalid through seq_len == 0xFFFFFFFF alone; the other fields look like a real row (§H.2)
+        # invalid through seq_len == 0xFFFFFFFF alone; the other fields look like a real row (contract §2.2)
         plan_c[by_seq_len] = encode_compress_plan(torch.full((len(by_seq_len),), INVALID_U32), ragged[by_seq_len],
                                                   buffer_len[by_seq_len], rp0[by_seq_len], rp1[by_seq_len])
         plan_w = encode_write_plan(torch.arange(num_q), torch.randint(0, 1 << 16, (num_q,), generator=g))
@@ -306,8 +307,8 @@ def sylvester(n: int = 128) -> torch.Tensor:
 
 
 def oracle(case: Case) -> torch.Tensor:
-    """fp64 RMSNorm (§F.2) + RoPE at seq_len - R on the trailing 64 interleaved dims (§F.3)
-    (+ scaled Sylvester Hadamard for hd 128, §F.4) of the stored rows, in ``case.locs`` order."""
+    """fp64 RMSNorm (contract §6.2) + RoPE at seq_len - R on the trailing 64 interleaved dims (contract §6.3)
+    (+ scaled Sylvester Hadamard for hd 128, contract §6.4) of the stored rows, in ``case.locs`` order."""
     hd = case.fmt.head_dim
     x = case.kv.cpu()[case.rows].to(torch.float64)
     w = case.weight.cpu().to(case.kv.dtype).to(torch.float64)      # the op casts the weight to kv's dtype
@@ -335,7 +336,7 @@ def gather(fmt: Fmt, cache: torch.Tensor, locs: list[int], span: int) -> torch.T
 
 
 def parse(fmt: Fmt, cache: torch.Tensor, locs: list[int]) -> dict:
-    """The fields of each stored token, read from the raw bytes per §F.5."""
+    """The fields of each stored token, read from the raw bytes per contract §6.5."""
     if fmt.name == "v4_fp8":
         data = gather(fmt, cache, locs, 0)
         return {"codes": data[:, :448], "rope": data[:, 448:].contiguous().view(torch.int16),
@@ -578,7 +579,7 @@ def test_indexer_pages_of_other_sizes(fmt, decode, rows, device):
 @pytest.mark.parametrize("fmt", [V4_C4, V4_C128, IDX_FP4], ids=lambda f: f.id)
 def test_store_with_planner_plans(fmt, decode, device):
     """Plans from the real planner (prefill: cuda-graph padded, so trailing rows are invalid) and
-    out_loc built as the serving metadata does: raw_out_loc // R for event tokens, else 0 (§F.1)."""
+    out_loc built as the serving metadata does: raw_out_loc // R for event tokens, else 0 (contract §6.1)."""
     dev = torch.device(device)
     R = fmt.ratio
     assert fmt.page_size == SWA_PAGE // R
@@ -704,7 +705,7 @@ def _prefill_case(num_q_tokens, ragged, seed=4100) -> Case:
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_out_loc_must_cover_num_q_tokens(device):
     """out_loc is indexed by ragged id and must have >= num_q_tokens entries when the plan records
-    num_q_tokens (Decision 2, §H.5), even if every ragged id of this plan would fit."""
+    num_q_tokens (contract §9.2, contract §6.1), even if every ragged id of this plan would fit."""
     case = _prefill_case(16, [3, 9, 0, 7])
     with pytest.raises(ValueError, match="out_loc"):
         call(case, device, out_loc=case.out_loc[:12].to(device))          # all ragged ids < 12
@@ -759,7 +760,7 @@ def test_cpu_tensor_among_cuda_tensors_is_a_type_error(arg, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kvcache_row_stride_must_equal_page_bytes(device):
-    """§H.16: a [pages, page_bytes] view of a wider buffer (row stride != page_bytes). The kernel
+    """contract §8.4: a [pages, page_bytes] view of a wider buffer (row stride != page_bytes). The kernel
     path must refuse it (ValueError naming kvcache); the CPU reference may instead store through the
     view correctly. Either way nothing outside the view's own bytes changes."""
     dev = torch.device(device)
@@ -950,7 +951,7 @@ def test_checks_reject_wrong_stores(corruption, device):
 def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
     """The kernels' e2m1 codecs (fp4_code: from 1 up it rounds the fp32 mantissa bits; its table, by
     the fp32 bits' exponent and two leading mantissa bits) against reference.quant.fp4_encode (the
-    threshold rule of §F.5) on all 2^32 fp32 bit patterns: ties, subnormals, ±0, infinities and NaNs
+    threshold rule of contract §6.6) on all 2^32 fp32 bit patterns: ties, subnormals, ±0, infinities and NaNs
     included. Each codec codes the pair (x, x) into one byte, so both nibble positions are checked."""
     dev = torch.device(device, torch.cuda.current_device())
     codes = runtime.function("store", "fp4_codes", dev, dtype="fp32", format="indexer_fp4")

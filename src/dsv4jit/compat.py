@@ -1,4 +1,4 @@
-"""The older c4 compress entry points (SPEC §A.4, §C.7), kept for callers of that interface.
+"""The older c4 compress entry points (contract §7), kept for callers of that interface.
 
 ``flash_c4_decode`` / ``flash_c4_prefill`` take the arguments of the older kernel's run_decode /
 run_prefill, in the same order: requests are addressed by ``indices`` (int32, one per request) and,

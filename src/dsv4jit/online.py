@@ -1,5 +1,5 @@
 """compress_forward(..., is_online=True) and compress_and_store(..., is_online=True): the online c128
-compressor (SPEC §E), alone and fused with the store step.
+compressor (contract §5), alone and fused with the store step.
 
 Each request keeps one running softmax state row (m | s | k, ``3·head_dim`` values, fp32 or bf16)
 instead of a 128-row ring; plans come from ``CompressorPrefillPlan.generate_online`` /

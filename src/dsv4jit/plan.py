@@ -148,7 +148,8 @@ class CompressorDecodePlan:
     @classmethod
     def generate_online(cls, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                         state_slot_offset: int = 0) -> "CompressorDecodePlan":
-        """Online c128 (§E): row b = {seq_len, rid + offset, rid + offset, -1} (state loaded and stored in place)."""
+        """Online c128 (contract §3.8): row b = {seq_len, rid + offset, rid + offset, -1} (the state is
+        loaded and stored in place)."""
         plan_d = _plan_decode("decode_online", _OP_DECODE + "_online", (req_pool_indices, req_to_token),
                               (int(state_slot_offset),), seq_lens)
         return cls(128, plan_d)
@@ -215,7 +216,7 @@ class CompressorPrefillPlan:
     def generate_online(cls, seq_lens: torch.Tensor, extend_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                         req_to_token: torch.Tensor, num_q_tokens: int, use_cuda_graph: bool = False,
                         state_slot_offset: int = 0) -> "CompressorPrefillPlan":
-        """Online c128 (§E): each request's extend range split at 128-chunk boundaries into segments;
+        """Online c128 (contract §3.8): each request's extend range split at 128-chunk boundaries into segments;
         plan_c holds the segments that close a chunk, plan_w the trailing partial ones (both 16-byte
         CompressPlan rows: buffer_len = segment length, read_page_0 = rid + offset, read_page_1 = rid)."""
         plan_c, plan_w = _plan_prefill("prefill_online", _OP_PREFILL + "_online", (req_pool_indices, req_to_token),

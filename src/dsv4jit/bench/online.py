@@ -1,4 +1,4 @@
-"""Online c128 compress_forward (SPEC §E) vs the plain c128 kernels on the same histories.
+"""Online c128 compress_forward (contract §5) vs the plain c128 kernels on the same histories.
 
     python -m dsv4jit.bench.online [--json] [--only TEXT]
 

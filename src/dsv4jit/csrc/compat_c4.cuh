@@ -1,19 +1,19 @@
-// The older c4 entry points (SPEC §A.4, §C.7) on the device code of the main c4 kernel: the same
+// The older c4 entry points (contract §7) on the device code of the main c4 kernel: the same
 // Window<4, hd> geometry and the same Kernels<4, hd, ...> slot loads, masking, reduction, output
 // sink and state stores, and the same pool_slots; only the addressing differs. Two page modes, chosen by the presence of `extra`:
 //
 //   ring   (no extra): kv_score_buffer [num_indices, 8, 4·hd]; request indices[b] owns one 8-row
 //          ring, position q at ring row q mod 8. Viewed as 4-row pages, the ring is the pair
-//          2·index + {0, 1} and q lives on page 2·index + (q div 4) mod 2 (the legacy layout, §B.2).
+//          2·index + {0, 1} and q lives on page 2·index + (q div 4) mod 2 (the legacy layout, contract §3.1).
 //   paged  (extra):    kv_score_buffer [num_pages, 4, 4·hd]; explicit 4-row pages per request.
 //          decode: indices[b] = page of the current block, extra[b] = page of the previous one;
 //          prefill: extra[b] = PageBundle, indices[b] = the second write page.
 //
-// Prefill rows are the 16-byte PrefillPlan of §A.4 (compress rows and write rows alike) and the
+// Prefill rows are the 16-byte PrefillPlan of contract §2.6 (compress rows and write rows alike) and the
 // compressed row of an event goes to output row ragged_id. Unlike the older kernel, the masked
 // overlap half of the first window (seq_len 4) is never loaded, every plan/page/index entry is
 // range-checked before use (a bad row is skipped and reported in checked mode), and decode rows
-// without a compress event are zero-filled (Decision 3).
+// without a compress event are zero-filled (contract §9.3).
 #pragma once
 
 #include "compress.cuh"
@@ -23,7 +23,7 @@ namespace dsv4::compat {
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
-/// One row of the older prefill plan (§A.4): a compress row or a write row.
+/// One row of the older prefill plan (contract §2.6): a compress row or a write row.
 struct alignas(16) LegacyPlanRow {
   uint32_t ragged_id;   // kInvalidU32 marks an invalid row
   uint32_t batch_id;
@@ -33,7 +33,7 @@ struct alignas(16) LegacyPlanRow {
   DSV4_HD bool is_invalid() const { return ragged_id == kInvalidU32; }
 };
 
-/// Per-request pages of a paged prefill (§C.7), extra[b].
+/// Per-request pages of a paged prefill (contract §7.2), extra[b].
 struct alignas(16) PageBundle {
   int32_t load_first_page;   // overlap half of a window that reads more than 4 buffered slots
   int32_t load_second_page;  // current half; also the overlap half when at most 4 slots are buffered

@@ -1,4 +1,4 @@
-// The compress kernels (SPEC §C c4, §D c128): softmax-pool each compress event's window and keep
+// The compress kernels (contract §4: c4 and c128): softmax-pool each compress event's window and keep
 // the state ring current. One kernel family for both ratios:
 //
 //   unit  = (plan row, slice of 32 lanes × kLaneChannels channels); a unit's warps split the

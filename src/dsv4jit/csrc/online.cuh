@@ -1,12 +1,12 @@
-// The online c128 compressor (SPEC §E): one running softmax state row per request instead of a
+// The online c128 compressor (contract §5): one running softmax state row per request instead of a
 // 128-row ring. A state row is m | s | k (3·hd values, BufferT): running max of z = score + ape,
 // running sum Σ exp(z − m), and the normalized average k = Σ kv·exp(z − m) / s. In registers the
-// state is a SoftmaxPartial {max = m, sum = s, acc = k·s}, so every update of §E (one token, a
+// state is a SoftmaxPartial {max = m, sum = s, acc = k·s}, so every update of contract §5.2 (one token, a
 // segment, a stored state) is merge_into of window_softmax.cuh.
 //
 //   decode : unit = (request, 128-channel slice), one warp, 16-byte lanes. Fold the token into the
 //            stored state (reset at chunk offset 0); offset 127 emits k', others store the state and
-//            zero their output row (Decision 3).
+//            zero their output row (contract §9.3).
 //   prefill: unit = (segment row, 64-channel slice), kWarps warps splitting the segment's (up to
 //            128) tokens 8 each; per-warp partials merge in shared memory, then into the stored
 //            state when the segment continues a chunk. Two launches in stream order: the pool

@@ -1,4 +1,4 @@
-// The planner on the GPU (SPEC §B): prefill plans from device-resident lengths (CUDA-graph
+// The planner on the GPU (contract §3): prefill plans from device-resident lengths (CUDA-graph
 // capturable, no host sync) or host-resident lengths, and decode plans. One kernel emits final
 // rows in CPU order; see plan_rules.h for why that needs no atomics.
 #pragma once
@@ -30,7 +30,7 @@ struct RequestTable {
 template <>
 struct RequestTable<0> {};  // device lengths: the kernel builds the table itself
 
-/// WriteRow: WritePlan (ring planners) or CompressPlan (online segments, §E).
+/// WriteRow: WritePlan (ring planners) or CompressPlan (online segments, contract §2.5).
 template <typename WriteRow>
 struct PrefillParamsOf {
   Geometry g;
@@ -223,7 +223,7 @@ struct Planner {
     launch_device_lengths<WritePlan>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
   }
 
-  /// Online c128 (§E) from device lengths: both plans [num_q_tokens, 16], invalid past the counts.
+  /// Online c128 (contract §3.8) from device lengths: both plans [num_q_tokens, 16], invalid past the counts.
   static void prefill_online_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                     TensorView seq_lens, TensorView extend_lens, TensorView plan_c, TensorView plan_w,
                                     Optional<TensorView> status, int64_t state_slot_offset) {
@@ -279,7 +279,7 @@ struct Planner {
     launch_host_lengths(op, h, status, num_q_tokens, use_cuda_graph);
   }
 
-  /// Online c128 (§E) from host lengths: exact-size plans (num_q_tokens rows with use_cuda_graph).
+  /// Online c128 (contract §3.8) from host lengths: exact-size plans (num_q_tokens rows with use_cuda_graph).
   static void prefill_online_host_lengths(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                           TensorView seq_lens, TensorView extend_lens, TensorView plan_c,
                                           TensorView plan_w, Optional<TensorView> status, int64_t num_q_tokens,
@@ -352,7 +352,7 @@ struct Planner {
     return launch_decode(op, g, tables, batch, dev, seq_lens, plan_d, status);
   }
 
-  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request (plan_d as decode).
+  /// Online c128 (contract §3.8): {seq_len, rid + offset, rid + offset, -1} per request (plan_d as decode).
   static Optional<Tensor> decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                         TensorView seq_lens, Optional<TensorView> plan_d, Optional<TensorView> status,
                                         int64_t state_slot_offset) {

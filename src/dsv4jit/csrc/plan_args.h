@@ -25,7 +25,7 @@ inline constexpr int64_t kMaxTokens = 65536;         // ragged ids are u16
 inline constexpr int64_t kMaxBatch = 65535;          // pack(65535, 65535) would alias the sentinel
 inline constexpr int64_t kMaxDeviceBatch = 1024;     // GPU-input prefill: one request table per block
 
-/// Validates the planner scalars (§B.8) and derives the geometry.
+/// Validates the planner scalars (contract §8.2) and derives the geometry.
 inline Geometry checked_geometry(const char* op, int64_t ratio, int64_t swa_page_size, int64_t ring_size,
                                  bool use_req_ring, bool legacy) {
   expect(ratio == 4 || ratio == 128, op, "compress_ratio", "4 or 128", ratio);

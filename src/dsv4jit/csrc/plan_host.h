@@ -1,4 +1,4 @@
-// The planner on the host (Decision 9): every input on the CPU, CPU plan tensors out, with
+// The planner on the host (contract §9.9): every input on the CPU, CPU plan tensors out, with
 // exactly the bytes the GPU paths produce (same rules, same emission order). Host-only module.
 #pragma once
 
@@ -28,7 +28,7 @@ struct HostPlanner {
     emit_all(op, h, checked);
   }
 
-  /// Online c128 (§E): segment rows in plan_c (closing a chunk) and plan_w (trailing partial).
+  /// Online c128 (contract §3.8): segment rows in plan_c (closing a chunk) and plan_w (trailing partial).
   static void prefill_online(TensorView req_pool_indices, Optional<TensorView> req_to_token, TensorView seq_lens,
                              TensorView extend_lens, TensorView plan_c, TensorView plan_w, int64_t num_q_tokens,
                              int64_t state_slot_offset, bool use_cuda_graph, bool checked) {
@@ -71,7 +71,7 @@ struct HostPlanner {
     return decode_rows(op, g, tables, batch, dev, seq_lens, plan_d, checked);
   }
 
-  /// Online c128 (§E): {seq_len, rid + offset, rid + offset, -1} per request (plan_d as decode).
+  /// Online c128 (contract §3.8): {seq_len, rid + offset, rid + offset, -1} per request (plan_d as decode).
   static Optional<Tensor> decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                         TensorView seq_lens, Optional<TensorView> plan_d, int64_t state_slot_offset,
                                         bool checked) {

@@ -1,4 +1,4 @@
-// The planning rules of SPEC §B, written once for the host paths and the GPU kernels.
+// The planning rules of contract §3, written once for the host paths and the GPU kernels.
 //
 // Rows are emitted in CPU order (batch-major, position-ascending) by any number of threads at
 // once: each token finds its compress row and write row from closed-form per-request counts and
@@ -14,12 +14,12 @@
 
 namespace dsv4::plan {
 
-/// How (request, position) maps to a state row (§B.2).
+/// How (request, position) maps to a state row (contract §3.1).
 enum class Scheme : int32_t {
   kPagedSwa = 0,     // c4: a private ring per SWA page, through req_to_token and full_to_state
   kRequestRing = 1,  // c128, or c4 with use_req_ring: rid * ring_size + pos % ring_size
   kLegacy = 2,       // non-paged: c4 page 2*rid + (pos/4)%2, c128 page rid
-  kOnline = 3,       // online c128 (§E): one running-state row per request, rid + slot_offset
+  kOnline = 3,       // online c128 (contract §5): one running-state row per request, rid + slot_offset
 };
 
 /// Status bits reported to checked mode (never read in default mode).
@@ -59,7 +59,7 @@ inline Geometry make_geometry(int32_t ratio, int32_t swa_page_size, int32_t ring
   return g;
 }
 
-/// Online c128 (§E): 128-token chunks, segment rows instead of windows and token writes.
+/// Online c128 (contract §3.8): 128-token chunks, segment rows instead of windows and token writes.
 inline Geometry make_online_geometry(int32_t slot_offset) {
   Geometry g = make_geometry(128, 1, 128, false, false);
   g.scheme = Scheme::kOnline;
@@ -167,7 +167,7 @@ DSV4_HD CompressPlan compress_row(const Geometry& g, const Lookup& lookup, uint3
   return row;
 }
 
-/// Online (§E): the segment of the request's extend range that ends at `pos` (j = pos - prefix_len)
+/// Online (contract §3.8): the segment of the request's extend range that ends at `pos` (j = pos - prefix_len)
 /// and starts at the later of the extend start and the 128-chunk start. buffer_len is its length;
 /// read_page_0 the bank it stores to (rid + slot_offset), read_page_1 the committed bank it merges with.
 template <typename Lookup>
@@ -181,7 +181,7 @@ DSV4_HD CompressPlan segment_row(const Geometry& g, const Lookup& lookup, uint32
 
 /// Emit the rows of one extend token (ragged id rg, j-th token of request `batch_id`) into
 /// plan_c / plan_w at their CPU-order indices; rows at or beyond the capacities are dropped.
-/// WriteRow = WritePlan: ring planners; WriteRow = CompressPlan: online segments (§E).
+/// WriteRow = WritePlan: ring planners; WriteRow = CompressPlan: online segments (contract §2.5).
 template <typename Lookup, typename WriteRow>
 DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& span, uint32_t batch_id,
                            const RequestEntry& req, int32_t j, CompressPlan* plan_c, uint32_t cap_c,
@@ -214,11 +214,11 @@ DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& 
   return status;
 }
 
-/// The decode row of one request (§B.7).
+/// The decode row of one request (contract §3.7).
 template <typename Lookup>
 DSV4_HD DecodePlan decode_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t seq_len) {
   const int64_t rid = lookup.rid(batch_id);
-  if (g.scheme == Scheme::kOnline) {  // §E: the state row is loaded and stored in place
+  if (g.scheme == Scheme::kOnline) {  // contract §3.8: the state row is loaded and stored in place
     const int32_t slot = static_cast<int32_t>(rid + g.slot_offset);
     return DecodePlan{static_cast<uint32_t>(seq_len), slot, slot, -1};
   }

@@ -1,4 +1,4 @@
-// compress_norm_rope_store (SPEC §F): RMSNorm -> RoPE on the trailing 64 dims (interleaved pairs,
+// compress_norm_rope_store (contract §6): RMSNorm -> RoPE on the trailing 64 dims (interleaved pairs,
 // position seq_len - R) -> 128-point Hadamard (indexer) -> quantize -> paged cache store.
 //
 // A row is held by kLanes lanes (a warp for the 512-dim V4 rows; 4, 8 or 16 for the 128-dim

@@ -1,4 +1,4 @@
-"""Comparison of two engines' final states and caches (SPEC Decision 6: the precision contract).
+"""Comparison of two engines' final states and caches (contract §9.6: the precision contract).
 
 States are copies of input rows, so they must be bit-identical. Caches are compared per format:
 
@@ -20,7 +20,7 @@ import torch
 from ..reference import store as layout
 from ..reference.store import read_cache
 
-#: (data row stride, data bytes, scale row stride, scale bytes) of one token in its page (SPEC §F.5);
+#: (data row stride, data bytes, scale row stride, scale bytes) of one token in its page (contract §6.5);
 #: byte 7 of a V4 scale row is padding that no one writes.
 _SPANS = {
     "v4_fp8": (layout.V4_DATA_BYTES, layout.V4_DATA_BYTES, layout.V4_SCALE_BYTES, layout.V4_NOPE_DIM // layout.V4_TILE),

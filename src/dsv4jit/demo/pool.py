@@ -64,7 +64,7 @@ class Step:
 def out_loc(req_to_token: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """Per token: its compressed-cache location if it closes a window (full slot // R), else 0.
 
-    This is what the serving stack's metadata builder computes (SPEC §F.1); plain tensor ops, so it
+    This is what the serving stack's metadata builder computes (contract §6.1); plain tensor ops, so it
     runs on the device and inside a CUDA graph too.
     """
     raw = req_to_token[slots, positions].to(torch.int64)

@@ -1,1 +1,1 @@
-"""Pure-PyTorch references of the dsv4jit kernels (CPU, written from SPEC.md)."""
+"""Pure-PyTorch references of the dsv4jit kernels (CPU, written from docs/contract.md)."""

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the older c4 entry points (SPEC §A.4, §C.7; window math of §C.2/§C.3).
+"""Pure-PyTorch reference of the older c4 entry points (contract §7; window math of contract §4.2, contract §4.1).
 
 Two page modes, chosen by ``extra``:
 
@@ -72,7 +72,7 @@ def _pool(rows: torch.Tensor, masked: torch.Tensor, ape: torch.Tensor, head_dim:
 
 
 def _gather(flat_state, inputs, state_row, input_row, from_state, from_input, dtype):
-    """``[N, 8, 4·hd]`` window rows in ``dtype``: state values go through the input dtype (§H.18)."""
+    """``[N, 8, 4·hd]`` window rows in ``dtype``: state values go through the input dtype (contract §4.1)."""
     rows = torch.zeros(*state_row.shape, flat_state.shape[1], dtype=dtype, device=flat_state.device)
     rows[from_state] = flat_state[state_row[from_state]].to(inputs.dtype).to(dtype)
     rows[from_input] = inputs[input_row[from_input]].to(dtype)

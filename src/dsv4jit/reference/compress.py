@@ -1,8 +1,9 @@
-"""Pure-PyTorch reference of the compress ops (SPEC §C c4, §D c128, §E online c128 math).
+"""Pure-PyTorch reference of the compress ops (contract §4: c4 and c128; contract §5.2: online c128 math).
 
-Everything here is written from SPEC.md: windows are gathered per compress event exactly as §C.2 /
-§D.2 describe, pooled with the window softmax of §C.3, and the state ring is updated in the order
-§C.4 / §C.5 prescribe. Tensors may live on any device; the math runs there with plain torch ops.
+Everything here is written from docs/contract.md: windows are gathered per compress event exactly as
+contract §4.2 / contract §4.3 describe, pooled with the window softmax of contract §4.1, and the state
+ring is updated in the order contract §4.4 / contract §4.5 prescribe. Tensors may live on any device;
+the math runs there with plain torch ops.
 
 State rows and input rows share one layout (``last_dim`` values per token):
 
@@ -59,7 +60,7 @@ def row_width(head_dim: int, compress_ratio: int) -> int:
 def _check_geometry(head_dim: int, compress_ratio: int) -> None:
     if compress_ratio not in (4, 128):
         raise ValueError(f"compress_ratio: expected 4 or 128, got {compress_ratio}")
-    # The kernels' channel tiling (§C.6, §D.5, §H.16); the reference holds callers to the same contract.
+    # The kernels' channel tiling (contract §8.3); the reference holds callers to the same contract.
     multiple = 128 if compress_ratio == 4 else 64
     if head_dim <= 0 or head_dim % multiple:
         raise ValueError(f"head_dim: expected a positive multiple of {multiple} for c{compress_ratio}, got {head_dim}")
@@ -98,7 +99,7 @@ def _check_index_range(name: str, index: torch.Tensor, size: int) -> None:
 
 
 def _check_distinct(name: str, index: torch.Tensor) -> None:
-    # §C.4: no two valid writes of one step target the same state row, so writes are order-free.
+    # contract §4.4: no two valid writes of one step target the same state row, so writes are order-free.
     if index.numel() != torch.unique(index).numel():
         raise ValueError(f"{name}: two rows write the same state row")
 
@@ -109,7 +110,7 @@ def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Window gathering (§C.2 / §D.2) and the window softmax (§C.3)
+# Window gathering (contract §4.2 / contract §4.3) and the window softmax (contract §4.1)
 # ----------------------------------------------------------------------------------------------
 
 def _split_roles(rows: torch.Tensor, head_dim: int, compress_ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +140,8 @@ def _gather_windows(flat_state, kv_score_input, *, seq_len, ragged_id, buffer_le
     Slot s comes from the state if ``s < buffer_len`` (c4: slots 0–3 from page read_page_0 row s,
     slots 4–7 from page read_page_1 row s−4; c128: page read_page_1 row s), else from input row
     ``ragged_id − (Wn−1) + s``. Masked slots get kv = 0, score = −inf and are never read, because
-    their source rows may not exist (§C.2); read_page_* are likewise only used where
-    ``s < buffer_len`` (for buffer_len == 0 they hold planner leftovers, §H.2).
+    their source rows may not exist (contract §4.2); read_page_* are likewise only used where
+    ``s < buffer_len`` (for buffer_len == 0 they hold planner leftovers, contract §3.4).
     """
     R, wn = compress_ratio, window_size(compress_ratio)
     last_dim = flat_state.shape[1]
@@ -165,7 +166,7 @@ def _gather_windows(flat_state, kv_score_input, *, seq_len, ragged_id, buffer_le
     _check_index_range("input rows read by the plan", input_index, kv_score_input.shape[0])
 
     rows = torch.zeros(n, wn, last_dim, dtype=torch.float32, device=device)
-    # Mixed dtypes: state values go through the input dtype first (§C.3, §H.18).
+    # Mixed dtypes: state values go through the input dtype first (contract §4.1).
     rows[from_state] = flat_state[state_index].to(kv_score_input.dtype).to(torch.float32)
     rows[from_input] = kv_score_input[input_index].to(torch.float32)
 
@@ -175,7 +176,7 @@ def _gather_windows(flat_state, kv_score_input, *, seq_len, ragged_id, buffer_le
 
 
 def window_softmax(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, *, dtype=torch.float32) -> torch.Tensor:
-    """Softmax pooling over the slot axis, per channel (§C.3), computed in ``dtype``.
+    """Softmax pooling over the slot axis, per channel (contract §4.1), computed in ``dtype``.
 
     kv, score: ``[..., Wn, hd]``; ape: ``[Wn, hd]``. Returns ``[..., hd]`` in ``dtype``.
     A slot with score −inf has weight exactly 0 (its kv must be finite, e.g. 0).
@@ -191,7 +192,7 @@ def window_softmax(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, *, 
 # ----------------------------------------------------------------------------------------------
 
 def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head_dim, compress_ratio, out):
-    """One prefill step (§C.4 / §D.3): compress every valid plan_c row, then apply plan_w writes.
+    """One prefill step (contract §4.4): compress every valid plan_c row, then apply plan_w writes.
 
     Output row i pairs with plan_c row i; rows of invalid plan_c entries are left untouched.
     ``kv_score_buffer`` is updated in place; returns ``out``.
@@ -230,11 +231,11 @@ def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, he
 
 
 def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, compress_ratio, out):
-    """One decode step (§C.5 / §D.4), one request per plan_d row b.
+    """One decode step (contract §4.5), one request per plan_d row b.
 
     Input row b is written to state row write_loc first; a row whose event fires (c4: seq_len % 4 == 0,
     c128: write_loc % 128 == 127) then pools all Wn slots from the state, including that row. Other
-    output rows are zero-filled (Decision 3). ``kv_score_buffer`` is updated in place; returns ``out``.
+    output rows are zero-filled (contract §9.3). ``kv_score_buffer`` is updated in place; returns ``out``.
 
     All writes happen before all reads; rows of different requests never alias, so this equals the
     per-row write-then-read order.
@@ -274,7 +275,7 @@ def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, c
 
 
 # ----------------------------------------------------------------------------------------------
-# History oracle (§B.12)
+# History oracle (contract §3.11)
 # ----------------------------------------------------------------------------------------------
 
 def event_window_reference(history: torch.Tensor, p: int, ape: torch.Tensor, *, head_dim: int,
@@ -282,8 +283,8 @@ def event_window_reference(history: torch.Tensor, p: int, ape: torch.Tensor, *, 
     """fp64 ``[hd]`` compressed row of the event closing at position ``p`` of one request.
 
     ``history`` is ``[L, last_dim]``: the request's token rows by position (any float dtype). Pools
-    positions ``p − Wn + 1 … p`` with the slot roles of §C.2 / §D.2; positions before 0 (only the c4
-    overlap half of p = 3) are masked. Independent of plans, rings and chunking.
+    positions ``p − Wn + 1 … p`` with the slot roles of contract §4.2 / contract §4.3; positions
+    before 0 (only the c4 overlap half of p = 3) are masked. Independent of plans, rings and chunking.
     """
     _check_geometry(head_dim, compress_ratio)
     R, wn = compress_ratio, window_size(compress_ratio)
@@ -302,7 +303,7 @@ def event_window_reference(history: torch.Tensor, p: int, ape: torch.Tensor, *, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Online c128 running state (§E): (m, s, k) per channel
+# Online c128 running state (contract §5.1, contract §5.2): (m, s, k) per channel
 # ----------------------------------------------------------------------------------------------
 
 class OnlineState(NamedTuple):
@@ -346,7 +347,7 @@ def online_pool(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
 
 
 def online_state_to_row(state: OnlineState, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The state row layout of §E: m | s | k (``3·hd`` values), optionally cast (e.g. to a bf16 state)."""
+    """The state row layout of contract §5.1: m | s | k (``3·hd`` values), optionally cast (e.g. to a bf16 state)."""
     row = torch.cat([state.m, state.s, state.k], dim=-1)
     return row if dtype is None else row.to(dtype)
 

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the online c128 compressor (SPEC §E): the CPU backend and the test oracle.
+"""Pure-PyTorch reference of the online c128 compressor (contract §5): the CPU backend and the test oracle.
 
 Each request keeps one running softmax state row of ``3·hd`` values instead of a 128-row ring:
 ``m`` (running max of z = score + ape) | ``s`` (Σ exp(z − m)) | ``k`` (Σ kv·exp(z − m) / s, normalized).
@@ -7,7 +7,7 @@ state is reset at chunk offset 0 and the pooled row is emitted when offset 127 h
 
 * Decode (one DecodePlan row per request): ``c = (seq_len − 1) mod 128``; load the state from
   ``read_page_0`` unless ``c == 0``; fold the token in; ``c == 127`` emits ``k'`` to output row b and
-  stores nothing, otherwise ``(m', s', k')`` goes to ``write_loc`` and output row b is zero (Decision 3).
+  stores nothing, otherwise ``(m', s', k')`` goes to ``write_loc`` and output row b is zero (contract §9.3).
 * Prefill (segment rows, see ``CompressorPrefillPlan.generate_online``): a segment of
   ``buffer_len`` tokens ending at ragged id ``ragged_id`` and chunk offset ``(seq_len − 1) mod 128``
   is pooled into a partial state; unless it starts at chunk offset 0 it is merged into the stored state
@@ -15,7 +15,7 @@ state is reset at chunk offset 0 and the pooled row is emitted when offset 127 h
   ``k`` to output row i; plan_w rows (run second) store the state into ``read_page_0``.
 
 A segment's partial state is computed in closed form (max, then one exp per token), which is the
-sequential update of §E regrouped exactly (``online_pool`` of reference/compress.py is the literal
+sequential update of contract §5.2 regrouped exactly (``online_pool`` of reference/compress.py is the literal
 token-by-token form; tests check they agree).
 """
 

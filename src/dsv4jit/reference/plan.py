@@ -1,11 +1,12 @@
-"""Reference planner: the compress / write / decode plans of SPEC §B, in plain Python.
+"""Reference planner: the compress / write / decode plans of contract §3, in plain Python.
 
 Written for clarity, not speed: loops over requests and tokens, Python integers with explicit
 C-style division and int32 narrowing where the contract has them. Inputs may live on any device
 (they are read on the CPU); plans come back as CPU ``uint8`` tensors built by ``plan_layout``.
 
-Stage 0 (§B.3) enumerates compress events and tokens to store; stage 1 (§B.4) translates the
-(request, position) of each row into state rows / pages with one of the addressing schemes of §B.2.
+Stage 0 (contract §3.2, contract §3.3) enumerates compress events and tokens to store; stage 1
+(contract §3.4) translates the (request, position) of each row into state rows / pages with one of
+the addressing schemes of contract §3.1.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ __all__ = [
     "plan_decode_legacy",
 ]
 
-#: Ragged ids and batch ids travel as u16 (§A.1, §A.2, §H.1).
+#: Ragged ids and batch ids travel as u16 (contract §2.2, contract §8.2).
 MAX_NUM_Q_TOKENS = 65536
 MAX_BATCH = 65535  # B < 65536: pack(65535, 65535) would equal the invalid WritePlan sentinel
 
@@ -79,7 +80,7 @@ def _lookup(table: torch.Tensor, index: tuple[int, ...], name: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Geometry and addressing (§0, §B.2, §B.3)
+# Geometry and addressing (contract §1.2, contract §3.1, contract §3.3)
 # ---------------------------------------------------------------------------------------------
 
 def window_size(compress_ratio: int) -> int:
@@ -119,7 +120,7 @@ def legacy_row(compress_ratio: int, rid: int, pos: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 0 (§B.3)
+# Stage 0 (contract §3.2, contract §3.3)
 # ---------------------------------------------------------------------------------------------
 
 def enumerate_stage0(compress_ratio: int, seq_lens, extend_lens, mtp_pad: int = 0,
@@ -173,7 +174,7 @@ def enumerate_stage0(compress_ratio: int, seq_lens, extend_lens, mtp_pad: int = 
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 1 (§B.4)
+# Stage 1 (contract §3.4)
 # ---------------------------------------------------------------------------------------------
 
 def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor, rids: list[int],
@@ -181,7 +182,7 @@ def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor
     """Stage 1: turn (batch id, position) into state rows / pages, then pad with invalid rows.
 
     ``translate_all``: legacy translates every compress row; the paged planner only those with
-    ``buffer_len > 0`` (the others keep read_page_0 = -1, read_page_1 = batch id; §H.2).
+    ``buffer_len > 0`` (the others keep read_page_0 = -1, read_page_1 = batch id; contract §3.4).
     """
     R = compress_ratio
     c = decode_compress_plan(plan_c0)
@@ -213,7 +214,7 @@ def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# Checks (§B.8, Decision 2)
+# Checks (contract §8.2, contract §9.2)
 # ---------------------------------------------------------------------------------------------
 
 def _check_ratio(compress_ratio: int) -> None:
@@ -289,7 +290,7 @@ def plan_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: 
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
                  swa_page_size: int, ring_size: int, num_q_tokens: int, use_cuda_graph: bool = False,
                  use_req_ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged prefill plan (§B.3-B.5): (plan_c [Nc,16], plan_w [Nw,8]), or num_q_tokens rows each
+    """Paged prefill plan (contract §3): (plan_c [Nc,16], plan_w [Nw,8]), or num_q_tokens rows each
     with ``use_cuda_graph`` (padding rows are the invalid sentinel)."""
     _check_ratio(compress_ratio)
     _check_ring(compress_ratio, swa_page_size, ring_size, use_req_ring)
@@ -323,7 +324,7 @@ def plan_prefill_legacy(compress_ratio: int, req_pool_indices: torch.Tensor, seq
 def plan_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                 full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
                 use_req_ring: bool = False) -> torch.Tensor:
-    """Paged decode plan (§B.7): one row per request; the current token is at seq_len - 1."""
+    """Paged decode plan (contract §3.7): one row per request; the current token is at seq_len - 1."""
     _check_ratio(compress_ratio)
     _check_ring(compress_ratio, swa_page_size, ring_size, use_req_ring)
     req_to_token, full_to_state = _tables(req_to_token, full_to_state)
@@ -346,7 +347,7 @@ def plan_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_toke
 
 
 def plan_decode_legacy(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Legacy decode plan: state rows / pages from the legacy scheme of §B.2."""
+    """Legacy decode plan: state rows / pages from the legacy scheme of contract §3.1."""
     _check_ratio(compress_ratio)
     rids, lens = _batch_lists(req_pool_indices, seq_lens=seq_lens)
     _check_decode_seq_lens(lens["seq_lens"])

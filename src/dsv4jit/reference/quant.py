@@ -1,4 +1,4 @@
-"""Scalar codecs of the compressed KV cache (SPEC §F.4, §F.5), in plain torch on fp32 values.
+"""Scalar codecs of the compressed KV cache (contract §6.4, contract §6.6), in plain torch on fp32 values.
 
 * UE8M0: an 8-bit biased exponent ``e``; the scale it stands for is ``2^(e-127)``. Scales are rounded
   **up** to a power of two so that ``x / scale`` never leaves the quantizer's range.
@@ -52,7 +52,7 @@ def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- UE8M0
 
 def ue8m0_exponent(scale_raw):
-    """UE8M0 exponent of ``scale_raw`` rounded **up** to a power of two (SPEC §F.5 a).
+    """UE8M0 exponent of ``scale_raw`` rounded **up** to a power of two (contract §6.6).
 
     ``e = biased_exponent(scale_raw) + (mantissa(scale_raw) != 0)``, so ``2^(e-127) >= scale_raw``.
     ``scale_raw`` must be positive (callers floor amax at 1e-4 first). Tensor in → int64 tensor out;
@@ -117,7 +117,7 @@ def e4m3_decode(code: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ fp4
 
 def fp4_encode(u: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8 in 0..15) of already-scaled fp32 values ``u`` (SPEC §F.5 e).
+    """4-bit codes (uint8 in 0..15) of already-scaled fp32 values ``u`` (contract §6.6).
 
     ``idx`` = number of thresholds strictly below ``min(|u|, 6)`` (a value equal to a threshold takes
     the smaller code); bit 8 is the sign, set only for ``u < 0`` with ``idx != 0`` (no -0).
@@ -153,7 +153,7 @@ def hadamard_matrix(n: int = 128) -> torch.Tensor:
 
 
 def hadamard128(x: torch.Tensor) -> torch.Tensor:
-    """128-point Walsh–Hadamard transform of the last dim, scaled by 1/sqrt(128) (SPEC §F.4), fp32.
+    """128-point Walsh–Hadamard transform of the last dim, scaled by 1/sqrt(128) (contract §6.4), fp32.
 
     ``v'_i = 128^(-1/2) · Σ_j (-1)^popcount(i & j) v_j``. Evaluated in fp64 and rounded once, so it is
     the exact transform to fp32 precision (a kernel's fp32 butterfly may differ in the last ulp).

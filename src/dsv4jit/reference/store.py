@@ -1,16 +1,16 @@
-"""Pure-torch reference of ``compress_norm_rope_store`` (SPEC §F) and readers of the caches it fills.
+"""Pure-torch reference of ``compress_norm_rope_store`` (contract §6) and readers of the caches it fills.
 
-The op takes the compressed rows ``kv [N, hd]``, applies RMSNorm (§F.2) and RoPE on the last 64 dims
-(§F.3; plus the 128-point Hadamard for the indexer, §F.4), quantizes, and scatters each processed row
-into a paged byte cache (§F.5). Formats:
+The op takes the compressed rows ``kv [N, hd]``, applies RMSNorm (contract §6.2) and RoPE on the last 64
+dims (contract §6.3; plus the 128-point Hadamard for the indexer, contract §6.4), quantizes, and scatters
+each processed row into a paged byte cache (contract §6.5). Formats:
 
-* ``"v4_fp8"``      hd 512: V4 FlashMLA latent, 576 data bytes + 8 scale bytes per token (§F.5 a)
-* ``"v4_bf16"``     hd 512: ``bf16_store``, 1024 bytes per token (§F.5 b)
-* ``"indexer_fp8"`` hd 128: 128 e4m3 + one fp32 scale per token (§F.5 d)
-* ``"indexer_fp4"`` hd 128: 64 packed fp4 bytes + 4 UE8M0 scales per token (§F.5 e)
+* ``"v4_fp8"``      hd 512: V4 FlashMLA latent, 576 data bytes + 8 scale bytes per token (contract §6.7)
+* ``"v4_bf16"``     hd 512: ``bf16_store``, 1024 bytes per token (contract §6.8)
+* ``"indexer_fp8"`` hd 128: 128 e4m3 + one fp32 scale per token (contract §6.9)
+* ``"indexer_fp4"`` hd 128: 64 packed fp4 bytes + 4 UE8M0 scales per token (contract §6.10)
 
 The cache is a 2-D ``uint8`` tensor, one page per row. A location ``loc`` lives in page
-``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes §F.5
+``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes contract §6.5
 assigns to a token and nothing else (notably byte 7 of a V4 scale row stays as it was).
 
 Everything is computed on the CPU; the cache may live on any device and is mutated in place.
@@ -81,7 +81,7 @@ def page_bytes(fmt: str, page_size: int) -> int:
 
 
 def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = False) -> str:
-    """Format the op writes for a head dim and flags (§F.5): hd 512 → V4, hd 128 → indexer."""
+    """Format the op writes for a head dim and flags (contract §6.5): hd 512 → V4, hd 128 → indexer."""
     if head_dim == V4_HEAD_DIM:
         if use_fp4:
             raise ValueError("use_fp4 applies to the indexer (head_dim 128) only, got head_dim 512")
@@ -152,7 +152,7 @@ def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """RMSNorm of each row in fp32 (§F.2): ``y_d = (x_d · rsqrt(Σx²/hd + eps)) · w_d``."""
+    """RMSNorm of each row in fp32 (contract §6.2): ``y_d = (x_d · rsqrt(Σx²/hd + eps)) · w_d``."""
     x = kv.detach().cpu().to(torch.float32)
     w = norm_weight.detach().cpu().to(torch.float32)
     hd = x.shape[-1]
@@ -165,7 +165,7 @@ def rms_norm(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> to
 
 
 def apply_rope(y: torch.Tensor, freq: torch.Tensor, positions: torch.Tensor, rope_dim: int = ROPE_DIM) -> torch.Tensor:
-    """Rotate the trailing ``rope_dim`` dims of fp32 ``y`` (§F.3), interleaved (GPT-J) pairs.
+    """Rotate the trailing ``rope_dim`` dims of fp32 ``y`` (contract §6.3), interleaved (GPT-J) pairs.
 
     Pair k is dims ``(base + 2k, base + 2k + 1)`` as (re, im), rotated by ``freq[position, 2k:2k+2]``
     = (cos, sin): ``re' = re·cos − im·sin``, ``im' = re·sin + im·cos``, in fp32.
@@ -189,7 +189,7 @@ def apply_rope(y: torch.Tensor, freq: torch.Tensor, positions: torch.Tensor, rop
 
 def norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq: torch.Tensor,
               positions: torch.Tensor, rope_dim: int = ROPE_DIM) -> torch.Tensor:
-    """RMSNorm then RoPE of rows ``kv [n, hd]`` at ``positions [n]``; fp32 ``[n, hd]`` (§F.2, §F.3).
+    """RMSNorm then RoPE of rows ``kv [n, hd]`` at ``positions [n]``; fp32 ``[n, hd]`` (contract §6.2, contract §6.3).
 
     ``freq`` is the fp32 ``[max_pos, rope_dim]`` table of interleaved (cos, sin) (see ``freq_table``).
     """
@@ -203,7 +203,7 @@ def norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq
 # ----------------------------------------------------------------------------- V4 fp8 latent
 
 def write_v4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-    """Store normed+rotated rows ``values [n, 512]`` in the V4 fp8 latent layout (§F.5 a)."""
+    """Store normed+rotated rows ``values [n, 512]`` in the V4 fp8 latent layout (contract §6.7)."""
     values = _as_rows(values, V4_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "v4_fp8", page_size)
     n = values.shape[0]
@@ -235,7 +235,7 @@ def read_v4(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.
 # ----------------------------------------------------------------------------------- bf16 store
 
 def write_bf16(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int = 1) -> None:
-    """Store rows ``values [n, 512]`` as 512 bf16 each at ``loc · 1024`` bytes (§F.5 b)."""
+    """Store rows ``values [n, 512]`` as 512 bf16 each at ``loc · 1024`` bytes (contract §6.8)."""
     values = _as_rows(values, V4_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
     data = values.to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -252,7 +252,7 @@ def read_bf16(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int = 1) -> 
 # --------------------------------------------------------------------------------- indexer fp8
 
 def write_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-    """Store post-Hadamard rows ``values [n, 128]`` as e4m3 + one fp32 scale each (§F.5 d)."""
+    """Store post-Hadamard rows ``values [n, 128]`` as e4m3 + one fp32 scale each (contract §6.9)."""
     values = _as_rows(values, INDEXER_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
     # A plain fp32 scale (no power-of-two rounding); the quantizer multiplies by its reciprocal.
@@ -276,7 +276,7 @@ def read_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) 
 # --------------------------------------------------------------------------------- indexer fp4
 
 def write_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-    """Store post-Hadamard rows ``values [n, 128]`` as packed fp4 + 4 UE8M0 scales each (§F.5 e)."""
+    """Store post-Hadamard rows ``values [n, 128]`` as packed fp4 + 4 UE8M0 scales each (contract §6.10)."""
     values = _as_rows(values, INDEXER_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
     n = values.shape[0]
@@ -316,7 +316,7 @@ def read_cache(fmt: str, kvcache: torch.Tensor, locs: torch.Tensor, page_size: i
 # ------------------------------------------------------------------------------------------ op
 
 def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, compress_ratio: int):
-    """(row indices, RoPE positions, cache locations) of the plan rows that store a token (§F.1).
+    """(row indices, RoPE positions, cache locations) of the plan rows that store a token (contract §6.1).
 
     Prefill: valid CompressPlan rows, ``loc = out_loc[ragged_id]``. Decode: DecodePlan rows with
     ``seq_len mod R == 0``, ``loc = out_loc[i]``. Both: ``position = seq_len − R``.
@@ -344,7 +344,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
                              norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                              out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
                              use_fp4: bool = False, bf16_store: bool = False) -> None:
-    """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (SPEC §F).
+    """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (contract §6).
 
     ``kv [N, hd]`` (fp32, bf16 or fp16) row i goes with plan row i (CompressPlan rows in prefill,
     DecodePlan rows in decode). ``freq_cis`` is complex64 ``[max_pos, 32]`` (an fp32 ``[max_pos, 64]``

@@ -1,4 +1,4 @@
-// The plan rows kernels exchange (byte layouts of SPEC §A; Python twin: dsv4jit/plan_layout.py).
+// The plan rows kernels exchange (byte layouts of contract §2; Python twin: dsv4jit/plan_layout.py).
 // Host and device code share these structs; plans travel as uint8 tensors [rows, sizeof(row)].
 #pragma once
 

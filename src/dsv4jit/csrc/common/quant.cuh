@@ -1,4 +1,4 @@
-// Quantization codecs of the compressed KV cache (SPEC §F.5): UE8M0 power-of-two scales rounded
+// Quantization codecs of the compressed KV cache (contract §6.6): UE8M0 power-of-two scales rounded
 // up, e4m3 with round-to-nearest-even, and the e2m1 (fp4) threshold code.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The window softmax of the compressor (SPEC §C.3), one primitive for every kernel that pools:
+// The window softmax of the compressor (contract §4.1), one primitive for every kernel that pools:
 // out[c] = Σ_s kv[s][c]·exp(z[s][c] − m) / Σ_s exp(z[s][c] − m), z = score + ape, in fp32.
 // A thread pools the slots it holds into a partial (max, sum, weighted sum); partials of other
 // slot groups merge exactly (max-rescaling), so any split of the window gives the same function.
