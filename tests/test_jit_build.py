@@ -234,6 +234,19 @@ def test_cold_load_without_nvcc_names_the_variant_and_the_fix(no_toolchain, cach
     assert entries_on_disk(cache_dir) == []
 
 
+def test_cold_load_without_a_host_compiler_says_what_to_install(monkeypatch, cache_dir):
+    monkeypatch.setenv("DSV4JIT_CXX", "/nonexistent/g++")
+    with pytest.raises(DSV4JITToolchainError) as err:
+        loader.load(loader.variant("plan_host"), toolchain.Arch.host())
+    message = str(err.value)
+    assert "no host C++ compiler found (looked for ['/nonexistent/g++'])" in message
+    assert "install a C++20 compiler" in message and "DSV4JIT_CXX" in message
+    # Precompiling here would fail the same way: the fix says where it can work.
+    assert ("Fix: install the compiler, or run python -m dsv4jit precompile --set 'plan_host' where it is and add "
+            "that cache to DSV4JIT_CACHE_PATH") in message
+    assert entries_on_disk(cache_dir) == []
+
+
 def test_cold_load_without_nvcc_raises_toolchain_error(no_toolchain, selftest, arch):
     with pytest.raises(DSV4JITToolchainError, match=r"looked at DSV4JIT_NVCC, CUDA_HOME"):
         loader.load(selftest, arch)
