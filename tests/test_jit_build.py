@@ -2,7 +2,7 @@
 
 Most tests start from the session's prebuilt selftest entry. Tests about the build protocol use a
 stand-in nvcc that copies that prebuilt module instead of compiling (the protocol is the same; a
-real compile costs about 8 s); the concurrency test runs the real compiler behind a counter.
+real compile costs about 8 s, and the session compiles nothing twice).
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def counted(path: Path) -> int:
 # (1) concurrency
 
 
-@pytest.mark.compile
-def test_eight_processes_cold_loading_compile_once(fake_nvcc, tmp_path, monkeypatch, cache_dir):
+def test_eight_processes_cold_loading_compile_once(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir):
     counter = tmp_path / "nvcc-runs"
-    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("exec", counter=counter)))
+    # A compile of a few seconds, so that the other seven find the build in progress.
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=3, counter=counter)))
     go = tmp_path / "go"
     script = CHILD_PRELUDE + """
 import logging
