@@ -8,7 +8,12 @@
 * ``fake_nvcc`` writes a stand-in nvcc (``<tmp>/fakecuda/bin/nvcc``) that answers ``--dryrun`` and
   ``--version`` like the real one and then execs the real compiler, sleeps, fails, or copies the
   prebuilt module (a fast stand-in for a compile, for tests about the protocol rather than nvcc).
-* Tests marked ``compile`` are skipped, with the reason shown, when no real nvcc exists.
+* ``host_planner`` is the CPU planner's entry in the cache the CPU tests share (built there once if
+  missing); ``copy_entry(cache_dir, entry)`` copies such an entry into a test's own cache, so that a
+  test needing it there does not compile it again.
+* Tests marked ``compile`` are skipped, with the reason shown, when no real nvcc exists; tests marked
+  ``full`` (the whole serving set, minutes of nvcc) run only with ``--full``, as CI runs the suite.
+* Skips are summarized one line per reason (``skip_summary.py``).
 """
 
 from __future__ import annotations
@@ -38,10 +43,20 @@ def _find_real_nvcc() -> str | None:
 
 REAL_NVCC = _find_real_nvcc()
 NO_NVCC_REASON = "needs the CUDA compiler: no nvcc at /usr/local/cuda-13.0/bin/nvcc or on PATH"
+FULL_REASON = "in the full suite only (compiles the whole serving set for sm_90a, minutes): add --full"
+
+pytest_plugins = ["pytester", "skip_summary"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked full (minutes of nvcc): the suite CI runs")
 
 
 def pytest_runtest_setup(item):
-    # The "compile" marker (registered in pyproject.toml) means "runs the real nvcc".
+    # The markers are registered in pyproject.toml: "full" is the CI-only tier, "compile" runs the real nvcc.
+    if item.get_closest_marker("full") is not None and not item.config.getoption("full"):
+        pytest.skip(FULL_REASON)
     if item.get_closest_marker("compile") is not None and REAL_NVCC is None:
         pytest.skip(NO_NVCC_REASON)
 
@@ -115,6 +130,23 @@ def prebuilt(tmp_path_factory) -> Prebuilt:
             _reset_memos()
     assert res.entry is not None and res.entry.is_relative_to(root)
     return Prebuilt(root, res.entry, res.info.key)
+
+
+@pytest.fixture(scope="session")
+def host_planner() -> Path:
+    """The CPU planner's entry in the cache the CPU tests share (the caller's), built there if missing."""
+    variant, arch = loader.variant("plan_host"), Arch.host()
+    loader.load(variant, arch)
+    entry = loader.resolve(variant, arch).entry
+    assert entry is not None
+    return entry
+
+
+def copy_entry(root: Path, entry: Path) -> Path:
+    """A copy of a cache entry in another cache root, at the same place (v1/<arch>/<kernel>/<entry>)."""
+    copy = root / entry.relative_to(entry.parents[3])
+    shutil.copytree(entry, copy)
+    return copy
 
 
 @pytest.fixture

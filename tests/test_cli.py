@@ -6,8 +6,11 @@ also started once as real processes.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -55,6 +58,13 @@ def test_entry_points_print_the_version(argv):
     res = subprocess.run(argv + ["--version"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"dsv4jit {__version__}"
+
+
+def test_a_default_install_prints_no_third_party_warning(cache_dir):
+    # torch's CPU wheels lack numpy, and without it torch warns whenever dsv4jit registers its ops.
+    res = subprocess.run([sys.executable, "-m", "dsv4jit", "info"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "Warning" not in res.stderr, res.stderr
 
 
 def test_no_subcommand_is_a_usage_error(run):
@@ -133,17 +143,6 @@ def test_precompile_usage_errors_exit_2(run, argv, message):
     code, out, err = run("precompile", *argv)
     assert code == 2
     assert message in err
-
-
-def test_precompile_without_gpu_or_arch_asks_for_arch(run, monkeypatch):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is visible, so the arch is taken from it")
-    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
-    code, out, err = run("precompile", "--kernel", "selftest")
-    assert code == 2
-    assert "--arch" in err and "DSV4JIT_CUDA_ARCH" in err
 
 
 def test_precompile_without_nvcc_exits_2(run, no_toolchain, cache_dir):
@@ -327,17 +326,6 @@ def test_info_check_without_gpu(run, warm_cache):
     assert SELFTEST_ID in info["check"]["detail"] and "not run" in info["check"]["detail"]
 
 
-def test_info_check_without_gpu_or_arch_builds_for_hopper(run, warm_cache, monkeypatch):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("with a GPU the check targets the GPU's arch")
-    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
-    code, info = run_json(run, "info", "--check")
-    assert code == 0 and info["check"]["ok"] is True
-    assert "sm_90a (no GPU visible: default target" in info["check"]["detail"]
-
-
 def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
     code, out, err = run("info", "--check")
@@ -354,6 +342,111 @@ def test_info_variant_shows_the_key_document(run, warm_cache):
     [item] = info["variant"]
     assert item["key"] == warm_cache.key
     assert item["document"] == cache.read_manifest(warm_cache.entry)["document"]
+
+
+# --------------------------------------------------------------------------------------------
+# rules shared by the subcommands
+
+
+# argv -> the arches the output names (--json)
+TARGETS_OF = {
+    "precompile": (["precompile", "--kernel", "selftest", "--set", SELFTEST_ID, "--dry-run"],
+                   lambda p: [r["arch"] for r in p["results"]]),
+    "list": (["list", "--kernel", "selftest", "--set", SELFTEST_ID], lambda p: [r["arch"] for r in p["variants"]]),
+    "info": (["info", SELFTEST_ID], lambda p: [v["arch"] for v in p["variant"]]),
+    "info --check": (["info", "--check"], lambda p: re.findall(r" for (sm_\w+) ", p["check"]["detail"])),
+    "clean": (["clean", "--arch", "auto", "--dry-run"], lambda p: [Path(e).parts[-3] for e in p["removed"]]),
+}
+
+
+@pytest.mark.parametrize("command", TARGETS_OF)
+def test_without_gpu_or_arch_every_subcommand_targets_sm90a_and_says_so(command, run, warm_cache, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
+    argv, archs = TARGETS_OF[command]
+    code, out, err = run(*argv, "--json")
+    assert code == 0, err
+    assert archs(json.loads(out)) == ["sm_90a"]
+    assert "dsv4jit: no GPU visible: targeting sm_90a (pass --arch or set DSV4JIT_CUDA_ARCH" in err
+
+
+def test_unknown_kernels_are_rejected_alike_by_every_subcommand(run, warm_cache):
+    from dsv4jit.jit.kernels import SPECS
+
+    errors = set()
+    for argv in (["precompile", "--kernel", "nosuch"], ["precompile", "--set", "nosuch[x=1]"],
+                 ["list", "--kernel", "nosuch"], ["clean", "--kernel", "nosuch"], ["info", "nosuch[x=1]"],
+                 ["info", "nosuch"]):
+        code, out, err = run(*argv)
+        assert code == 2 and out == "", argv
+        errors.add(err)
+    assert errors == {f"dsv4jit: unknown kernel 'nosuch'; known: {', '.join(sorted(SPECS))}\n"}
+    assert warm_cache.entry.exists()  # clean removed nothing
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["info", "plan"], "kernel 'plan': missing parameter(s) ['pdl']"),
+    (["list", "--set", "selftest[dtype=fp64,pdl=1]"], "parameter 'dtype' must be one of ['fp32', 'bf16']"),
+    (["precompile", "--set", "store[dtype=fp32"], "malformed variant id 'store[dtype=fp32'"),
+])
+def test_variant_id_errors_show_ids_that_work(run, argv, error):
+    code, out, err = run(*argv)
+    assert code == 2 and error in err
+    examples = re.search(r"variant ids look like (\S+) or (\S+) \(", err)
+    assert examples, err
+    for example in examples.groups():
+        code, payload = run_json(run, "list", "--set", example)
+        assert code == 0 and [r["variant"] for r in payload["variants"]] == [example]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+def test_help_explains_every_option_and_shows_its_default(name):
+    parser = subcommands()[name]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = formatter._get_help_string(action)
+        assert text, f"{name} {action.option_strings or action.dest} has no help"
+        if action.option_strings and action.nargs != 0 and action.default is not None:
+            assert "default" in text, (name, action.option_strings)
+    rendered = parser.format_help()  # argparse %-formats every text here
+    assert all(option in rendered for action in parser._actions for option in action.option_strings)
+
+
+def test_demo_help_shows_the_gpu_and_cpu_defaults():
+    from dsv4jit.demo import CPU_DEFAULTS, GPU_DEFAULTS
+
+    text = " ".join(subcommands()["demo"].format_help().split())
+    for option, field in (("--requests", "requests"), ("--min-prompt", "min_prompt"), ("--max-prompt", "max_prompt"),
+                          ("--chunk", "chunk"), ("--decode-steps", "decode_steps")):
+        gpu, cpu = getattr(GPU_DEFAULTS, field), getattr(CPU_DEFAULTS, field)
+        assert gpu != cpu
+        assert re.search(rf"{option} \S+ (?:(?!--).)*?\(default: {gpu} on a GPU, {cpu} on the CPU\)", text), option
+    assert f"random seed (default: {GPU_DEFAULTS.seed})" in text
+    assert f"(default: {GPU_DEFAULTS.decode_plans})" in text
+
+
+def test_a_long_compile_says_it_is_alive(run, fake_nvcc, prebuilt, monkeypatch, caplog):
+    from dsv4jit.jit import progress
+
+    monkeypatch.setattr(progress, "INTERVAL", 0.3)
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=1.5)))
+    caplog.set_level(logging.INFO, logger="dsv4jit")
+    code, out, err = run("precompile", *SELECT)
+    assert code == 0, err
+    alive = [r.getMessage() for r in caplog.records if "still compiling" in r.getMessage()]
+    assert alive and all(re.fullmatch(rf"dsv4jit: \.\.\. still compiling {re.escape(SELFTEST_ID)} for sm_90a "
+                                      r"\(\d+s\)", m) for m in alive), alive
+    time.sleep(3 * progress.INTERVAL)
+    assert sum("still compiling" in r.getMessage() for r in caplog.records) == len(alive)  # silent once done
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,14 +10,16 @@ graph, against the reference backend.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from dsv4jit import cli
-from dsv4jit.demo import DemoConfig, run_demo
+from dsv4jit import cli, runtime
+from dsv4jit.demo import DemoConfig, format_result, run_demo
 from dsv4jit.demo.check import compare_cache
 from dsv4jit.demo.pool import schedule
+from dsv4jit.jit import loader
 
 HAS_CUDA = torch.cuda.is_available()
 TINY = DemoConfig(requests=2, min_prompt=130, max_prompt=260, chunk=128, decode_steps=12, layers=2, seed=3)
@@ -59,6 +61,30 @@ def test_demo_on_the_reference_backend_matches(clean_run):
         (0, "c4 core", "state"), (0, "c4 core", "cache"), (0, "c4 indexer", "state"), (0, "c4 indexer", "cache"),
         (1, "c128 core", "state"), (1, "c128 core", "cache")]
     assert "indexer_fp4" in result.layer_kinds[0]
+
+
+def test_demo_report_names_the_cpu_once(clean_run):
+    header = format_result(clean_run[0])[0]
+    assert header.startswith("dsv4jit demo on the CPU: the torch reference backend") and "(cpu)" not in header
+
+
+def test_first_use_is_timed_apart_from_the_steps(monkeypatch):
+    """A first load that takes a second (a compile) shows on its own line, not in the step timings."""
+    monkeypatch.setattr(runtime, "_FUNCTIONS", {})
+    monkeypatch.setattr(loader, "_MODULES", {})
+    load = loader._load_uncached
+
+    def slow_load(variant, arch):
+        time.sleep(1.0)
+        return load(variant, arch)
+
+    monkeypatch.setattr(loader, "_load_uncached", slow_load)
+    result = run_demo(TINY, "cpu")
+    assert result.ok and result.load_seconds >= 1.0
+    for p in result.phases:  # the load happens in the planner (the only compiled code on the CPU)
+        assert p.plan_us_per_step * p.steps < 0.5e6, p
+    [line] = [line for line in format_result(result) if line.startswith("first use: ")]
+    assert line.startswith(f"first use: {result.load_seconds:.2f} s to load the CPU planner")
 
 
 def test_demo_detects_corrupted_caches_and_states():

@@ -2,7 +2,7 @@
 
 Most tests start from the session's prebuilt selftest entry. Tests about the build protocol use a
 stand-in nvcc that copies that prebuilt module instead of compiling (the protocol is the same; a
-real compile costs about 8 s); the concurrency test runs the real compiler behind a counter.
+real compile costs about 8 s, and the session compiles nothing twice).
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def counted(path: Path) -> int:
 # (1) concurrency
 
 
-@pytest.mark.compile
-def test_eight_processes_cold_loading_compile_once(fake_nvcc, tmp_path, monkeypatch, cache_dir):
+def test_eight_processes_cold_loading_compile_once(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir):
     counter = tmp_path / "nvcc-runs"
-    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("exec", counter=counter)))
+    # A compile of a few seconds, so that the other seven find the build in progress.
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=3, counter=counter)))
     go = tmp_path / "go"
     script = CHILD_PRELUDE + """
 import logging
@@ -231,6 +231,19 @@ def test_cold_load_without_nvcc_names_the_variant_and_the_fix(no_toolchain, cach
         loader.load(selftest, arch)
     assert SELFTEST_ID in str(err.value)
     assert f"python -m dsv4jit precompile --arch sm_90a --set '{SELFTEST_ID}'" in str(err.value)
+    assert entries_on_disk(cache_dir) == []
+
+
+def test_cold_load_without_a_host_compiler_says_what_to_install(monkeypatch, cache_dir):
+    monkeypatch.setenv("DSV4JIT_CXX", "/nonexistent/g++")
+    with pytest.raises(DSV4JITToolchainError) as err:
+        loader.load(loader.variant("plan_host"), toolchain.Arch.host())
+    message = str(err.value)
+    assert "no host C++ compiler found (looked for ['/nonexistent/g++'])" in message
+    assert "install a C++20 compiler" in message and "DSV4JIT_CXX" in message
+    # Precompiling here would fail the same way: the fix says where it can work.
+    assert ("Fix: install the compiler, or run python -m dsv4jit precompile --set 'plan_host' where it is and add "
+            "that cache to DSV4JIT_CACHE_PATH") in message
     assert entries_on_disk(cache_dir) == []
 
 

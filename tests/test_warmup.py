@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dsv4jit
+from conftest import copy_entry
 from dsv4jit import runtime
 from dsv4jit.jit import loader
 from dsv4jit.jit.toolchain import Arch
@@ -78,8 +79,9 @@ def test_import_stays_lazy():
     assert "warmup" in dir(dsv4jit)
 
 
-@pytest.mark.usefixtures("jit_env")
-def test_cpu_warmup_builds_and_loads_the_host_planner(monkeypatch):
+def test_cpu_warmup_loads_the_host_planner(monkeypatch, cache_dir, host_planner):
+    copy_entry(cache_dir, host_planner)  # built once per session (building is tested below, for a GPU arch)
+    monkeypatch.setattr(runtime, "_FUNCTIONS", {})
     assert dsv4jit.warmup("cpu") == ["plan_host"]
     monkeypatch.setattr(loader, "_load_uncached", lambda *a: pytest.fail("loaded after warmup"))
     runtime.function("plan_host", "prefill", torch.device("cpu"))

@@ -6,6 +6,7 @@ Exit codes: 0 success; 1 a build, check or demo comparison failed; 2 usage or to
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -30,6 +31,12 @@ class UsageError(Exception):
 # Selection helpers
 
 
+#: The target of every subcommand when no GPU is visible and neither --arch nor DSV4JIT_CUDA_ARCH is
+#: given: the kernels are written for Hopper.
+NO_GPU_ARCH = "9.0a"
+ARCH_DEFAULT = f"(default: DSV4JIT_CUDA_ARCH, else auto; with no GPU visible: {NO_GPU_ARCH}, said on stderr)"
+
+
 def _archs(text: str | None) -> list:
     from .jit.toolchain import Arch, device_arch
 
@@ -41,7 +48,10 @@ def _archs(text: str | None) -> list:
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError("no GPU is visible: pass --arch (e.g. --arch 9.0a) or set DSV4JIT_CUDA_ARCH")
+            arch = Arch.parse(NO_GPU_ARCH)
+            print(f"dsv4jit: no GPU visible: targeting {arch} (pass --arch or set DSV4JIT_CUDA_ARCH for another)",
+                  file=sys.stderr)
+            return [arch]
         return sorted({device_arch(i) for i in range(torch.cuda.device_count())}, key=str)
     try:
         return [Arch.parse(a) for a in text.split(",") if a.strip()]
@@ -49,14 +59,34 @@ def _archs(text: str | None) -> list:
         raise UsageError(str(e)) from None
 
 
+def _spec(kernel: str):
+    """The spec of a kernel named on the command line (by --kernel or in a variant id)."""
+    from .jit.kernels import SPECS
+
+    if kernel not in SPECS:
+        raise UsageError(f"unknown kernel {kernel!r}; known: {', '.join(sorted(SPECS))}")
+    return SPECS[kernel]
+
+
+def _variant_id(text: str):
+    """Parse a variant id; errors show ids of that kernel to copy."""
+    from .jit.kernels import SPECS
+    from .jit.registry import parse_variant_id
+
+    spec = _spec(text.partition("[")[0])
+    try:
+        return parse_variant_id(text, SPECS)
+    except ValueError as e:
+        examples = list(dict.fromkeys(v.id for v in spec.serving_variants() + spec.all_variants()))[:2]
+        raise UsageError(f"{e}; variant ids look like {' or '.join(examples)} "
+                         f"(all of them: python -m dsv4jit list --kernel {spec.name} --set all)") from None
+
+
 def _variants(kernels: list[str] | None, sets: list[str] | None, filters: list[str] | None = None) -> list:
     from .jit.kernels import SPECS
-    from .jit.registry import parse_variant_id, unique
+    from .jit.registry import unique
 
-    for k in kernels or []:
-        if k not in SPECS:
-            raise UsageError(f"unknown kernel {k!r}; known: {', '.join(sorted(SPECS))}")
-    specs = [SPECS[k] for k in kernels] if kernels else list(SPECS.values())
+    specs = [_spec(k) for k in kernels] if kernels else list(SPECS.values())
     out = []
     for s in sets or ["default"]:
         if s == "default":
@@ -64,10 +94,7 @@ def _variants(kernels: list[str] | None, sets: list[str] | None, filters: list[s
         elif s == "all":
             out += [v for spec in specs for v in spec.all_variants()]
         else:
-            try:
-                out.append(parse_variant_id(s, SPECS))
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+            out.append(_variant_id(s))
     for f in filters or []:  # --param name=value keeps variants whose spec has no such param or matches it
         name, eq, value = f.partition("=")
         if not eq:
@@ -217,6 +244,8 @@ def cmd_clean(args) -> int:
     root = env.cache_dir()
     if not any((args.all, args.arch, args.kernel, args.stale, args.older_than, args.orphans)):
         raise UsageError("clean needs a selection: --all, --arch, --kernel, --stale, --older-than or --orphans")
+    for kernel in args.kernel or ():
+        _spec(kernel)
     known = {v.id for v in _variants(None, ["all"])}
     now = time.time()
     base = root / f"v{cache.SCHEMA}"
@@ -310,20 +339,17 @@ def cmd_info(args) -> int:
                            for i, r in enumerate(cache.roots())]
     info["env"] = env.all_settings()
     status = EXIT_OK
-    if args.variant:
-        from .jit.kernels import SPECS
-        from .jit.registry import parse_variant_id
-
-        v = parse_variant_id(args.variant, SPECS)
-        archs = [loader.Arch.host()] if v.spec.target == "host" else _archs(args.arch)
+    v = _variant_id(args.variant) if args.variant else None
+    archs = _archs(args.arch) if args.check or (v is not None and v.spec.target != "host") else []
+    if v is not None:
         info["variant"] = []
-        for a in archs:
+        for a in [loader.Arch.host()] if v.spec.target == "host" else archs:
             res = loader.resolve(v, a)
             info["variant"].append({"arch": a.name, "key": res.info.key if res.info else None,
                                     "entry": str(res.entry) if res.entry else None,
                                     "document": res.info.document if res.info else None})
     if args.check:
-        info["check"] = _self_check(args)
+        info["check"] = _self_check(archs[0])
         status = EXIT_OK if info["check"]["ok"] else EXIT_FAILED
     lines = [f"dsv4jit {info['dsv4jit']} (python {info['python']})"]
     nv = info["nvcc"]
@@ -346,21 +372,17 @@ def cmd_info(args) -> int:
     return status
 
 
-def _self_check(args) -> dict:
+def _self_check(arch) -> dict:
     """Compile and load the trivial selftest kernel; run it when a GPU is present."""
     import torch
 
     from .jit import loader
 
     try:
-        try:
-            arch, note = _archs(args.arch)[0], ""
-        except UsageError:  # no GPU and no --arch: the toolchain check still builds for Hopper
-            arch, note = loader.Arch.parse("9.0a"), " (no GPU visible: default target, pass --arch to change)"
         variant = loader.variant("selftest", dtype="fp32", pdl=arch.major >= 9 and not env.disable_pdl())
         t = time.monotonic()
         module = loader.load(variant, arch)
-        detail = f"{variant.id} for {arch}{note} loaded in {time.monotonic() - t:.2f}s"
+        detail = f"{variant.id} for {arch} loaded in {time.monotonic() - t:.2f}s"
         if torch.cuda.is_available():
             x = torch.randn(4096, device="cuda")
             out = torch.full_like(x, float("nan"))
@@ -372,7 +394,7 @@ def _self_check(args) -> dict:
         else:
             detail += "; no GPU, not run"
         return {"ok": True, "detail": detail}
-    except (DSV4JITError, UsageError) as e:
+    except DSV4JITError as e:
         return {"ok": False, "detail": str(e)}
 
 
@@ -421,20 +443,49 @@ def cmd_bench(args) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+class _Help(argparse.HelpFormatter):
+    """--help shows the default of every option that takes a value: argparse's value, unless the text
+    states it (defaults that come from the environment); flags are off unless given."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.nargs != 0 and action.default is not None and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _DemoHelp(_Help):
+    """The demo's sizes depend on the device: their defaults come from its GPU and CPU configurations."""
+
+    def _get_help_string(self, action):
+        from .demo.run import CPU_DEFAULTS, GPU_DEFAULTS
+
+        if action.default is None and action.dest in GPU_DEFAULTS.__dataclass_fields__:
+            gpu, cpu = getattr(GPU_DEFAULTS, action.dest), getattr(CPU_DEFAULTS, action.dest)
+            return f"{action.help} (default: {gpu if gpu == cpu else f'{gpu} on a GPU, {cpu} on the CPU'})"
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4jit", description="dsv4jit kernel cache and tools")
+    p = argparse.ArgumentParser(prog="dsv4jit", description="dsv4jit kernel cache and tools", formatter_class=_Help)
     p.add_argument("--version", action="version", version=f"dsv4jit {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True,
+                           parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Help))
+    json_help = "machine-readable output on stdout"
 
     def selection(sp, with_status=False):
-        sp.add_argument("--arch", help="targets, e.g. 9.0a or 9.0a,10.0a, or 'auto' (visible GPUs)")
-        sp.add_argument("--kernel", action="append", help="restrict to a kernel (repeatable)")
-        sp.add_argument("--set", action="append", help="'default' (serving set), 'all', or a variant id (repeatable)")
+        sp.add_argument("--arch", help=f"targets, e.g. 9.0a or 9.0a,10.0a; 'auto': the visible GPUs {ARCH_DEFAULT}")
+        sp.add_argument("--kernel", action="append", help="restrict to this kernel (repeatable; default: every kernel)")
+        sp.add_argument("--set", action="append",
+                        help="'default' (the serving sets), 'all' (every combination), or a variant id such as "
+                             "'plan[pdl=1]' (repeatable; default: default)")
         sp.add_argument("--param", action="append", metavar="NAME=VALUE",
-                        help="keep variants with this parameter value, e.g. head_dim=512 (repeatable)")
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
+                        help="keep the variants with this parameter value, e.g. head_dim=512 (repeatable; "
+                             "default: no filter)")
+        sp.add_argument("--json", action="store_true", help=json_help)
 
-    pd = sub.add_parser("demo", help="run the compressors as a serving stack does and check the caches")
+    pd = sub.add_parser("demo", help="run the compressors as a serving stack does and check the caches",
+                        formatter_class=_DemoHelp)
     pd.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if visible, else cpu at a small size)")
     pd.add_argument("--requests", type=int, help="number of requests")
     pd.add_argument("--min-prompt", type=int, help="shortest prompt (tokens)")
@@ -442,57 +493,66 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--chunk", type=int, help="prefill token budget per step (chunked prefill)")
     pd.add_argument("--decode-steps", type=int, help="decode steps after the prefill")
     pd.add_argument("--layers", type=int, help="layers, alternating compress ratio 4 and 128")
-    pd.add_argument("--seed", type=int, help="random seed (default 0)")
+    pd.add_argument("--seed", type=int, help="random seed")
     pd.add_argument("--indexer-fp8", action="store_true", help="indexer cache in fp8 instead of fp4")
     pd.add_argument("--eager", action="store_true", help="decode without a CUDA graph")
     pd.add_argument("--fused", action="store_true",
                     help="run each compressor step through compress_and_store (one kernel) instead of two ops")
     pd.add_argument("--decode-plans", choices=("in-graph", "copy"),
-                    help="build decode plans inside the graph (default) or outside it and copy_ them in")
+                    help="build decode plans inside the graph, or outside it and copy_ them in")
     pd.add_argument("--no-check", action="store_true", help="skip the reference run and the comparison")
     pd.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     pd.add_argument("--json", action="store_true", help="machine-readable result")
     pd.set_defaults(func=cmd_demo)
 
     pb = sub.add_parser("bench", help="run the kernel benchmarks; write markdown, CSV and PNG plots")
-    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png)")
-    pb.add_argument("--bench", action="append", help="run only this benchmark module (repeatable)")
-    pb.add_argument("--only", default="", help="run the cases whose name contains this text")
+    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png); required unless --list")
+    pb.add_argument("--bench", action="append",
+                    help="run only this benchmark module (repeatable; default: every module)")
+    pb.add_argument("--only", default="", help="run the cases whose name contains this text (default: every case)")
     pb.add_argument("--list", action="store_true", help="list the benchmark modules and exit")
-    pb.add_argument("--json", action="store_true")
+    pb.add_argument("--json", action="store_true", help=json_help)
     pb.set_defaults(func=cmd_bench)
 
     pc = sub.add_parser("precompile", help="build variants into the cache")
     selection(pc)
-    pc.add_argument("-j", "--jobs", type=int, help="parallel builds (default: memory-aware)")
-    pc.add_argument("--cache-dir", help="write root (overrides DSV4JIT_CACHE_DIR)")
+    pc.add_argument("-j", "--jobs", type=int,
+                    help="parallel builds (default: DSV4JIT_JOBS, else as many as the CPUs and the free memory "
+                         "allow, DSV4JIT_JOB_MEM_GB each)")
+    pc.add_argument("--cache-dir",
+                    help="write root (default: DSV4JIT_CACHE_DIR, else $XDG_CACHE_HOME/dsv4jit or ~/.cache/dsv4jit)")
     pc.add_argument("--keep-going", action="store_true", help="continue after a failed build")
     pc.add_argument("--dry-run", action="store_true", help="show what would be built")
     pc.set_defaults(func=cmd_precompile)
 
     pl = sub.add_parser("list", help="variants and their cache status")
     selection(pl)
-    pl.add_argument("--status", choices=("all", "cached", "missing"), default="all")
+    pl.add_argument("--status", choices=("all", "cached", "missing"), default="all",
+                    help="show only the variants with this cache status")
     pl.add_argument("--entries", action="store_true", help="list what is on disk instead, incl. orphans")
     pl.set_defaults(func=cmd_list)
 
     pk = sub.add_parser("clean", help="delete cache entries (only inside the write root)")
-    pk.add_argument("--all", action="store_true")
-    pk.add_argument("--arch")
-    pk.add_argument("--kernel", action="append")
+    pk.add_argument("--all", action="store_true",
+                    help="every entry, old schemas, abandoned stages and failed-build logs (live builds are kept)")
+    pk.add_argument("--arch", help="entries built for these arches, e.g. 9.0a or 9.0a,10.0a (host entries: "
+                                   "--kernel plan_host)")
+    pk.add_argument("--kernel", action="append", help="entries of this kernel (repeatable)")
     pk.add_argument("--stale", action="store_true",
                     help="superseded keys, old schemas, abandoned stages, failed-build logs")
-    pk.add_argument("--older-than", help="entries built before this age, e.g. 30d")
+    pk.add_argument("--older-than", help="entries built before this age, e.g. 30d, 12h, 90m or 3600s")
     pk.add_argument("--orphans", action="store_true", help="entries of variants the registry no longer has")
-    pk.add_argument("--dry-run", action="store_true")
-    pk.add_argument("--json", action="store_true")
+    pk.add_argument("--dry-run", action="store_true", help="list what would be removed and the bytes freed; remove "
+                                                            "nothing")
+    pk.add_argument("--json", action="store_true", help=json_help)
     pk.set_defaults(func=cmd_clean)
 
     pi = sub.add_parser("info", help="toolchain, GPUs, cache roots, env; --check compiles a test kernel")
-    pi.add_argument("variant", nargs="?", help="show the key document of this variant id")
-    pi.add_argument("--arch")
+    pi.add_argument("variant", nargs="?", help="show the key document of this variant id, e.g. 'plan[pdl=1]'")
+    pi.add_argument("--arch", help=f"targets of the variant's key and of --check, e.g. 9.0a; 'auto': the visible GPUs "
+                                   f"{ARCH_DEFAULT}")
     pi.add_argument("--check", action="store_true", help="compile, load (and run on a GPU) a trivial kernel")
-    pi.add_argument("--json", action="store_true")
+    pi.add_argument("--json", action="store_true", help=json_help)
     pi.set_defaults(func=cmd_info)
     return p
 

@@ -28,7 +28,7 @@ import filelock
 
 from .. import __version__, env
 from ..errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITLockTimeout
-from . import cache
+from . import cache, progress
 from .registry import Variant
 from .toolchain import Arch, Toolchain
 
@@ -244,7 +244,8 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
             raise _cache_error(e, folder) from e
         log.info("dsv4jit: compiling %s for %s (reason: %s; key %s) ...", variant.id, arch, reason, info.key)
         try:
-            module, seconds = _compile_and_check(variant, arch, info, command, stage, root, load_module)
+            with progress.compiling(f"{variant.id} for {arch}"):
+                module, seconds = _compile_and_check(variant, arch, info, command, stage, root, load_module)
             _publish(stage, entry, info, variant, arch, seconds)
         finally:
             shutil.rmtree(stage, ignore_errors=True)

@@ -97,7 +97,10 @@ def _load_uncached(variant: Variant, arch: Arch):
 
 def _fix_hint(res: Resolution) -> str:
     arch = "" if res.arch.is_host else f" --arch {res.arch.name}"
-    return f"Fix: python -m dsv4jit precompile{arch} --set '{res.variant.id}'"
+    command = f"python -m dsv4jit precompile{arch} --set '{res.variant.id}'"
+    if res.toolchain_error is not None:  # precompiling here would fail the same way
+        return f"Fix: install the compiler, or run {command} where it is and add that cache to DSV4JIT_CACHE_PATH"
+    return f"Fix: {command}"
 
 
 def _miss_message(res: Resolution) -> str:

@@ -201,7 +201,8 @@ def _find_cxx() -> Path:
         found = shutil.which(name) if name else None
         if found:
             return Path(found).resolve()
-    raise DSV4JITToolchainError(f"no host C++ compiler found (looked for {names}; set DSV4JIT_CXX or CXX)")
+    raise DSV4JITToolchainError(f"no host C++ compiler found (looked for {names}); install a C++20 compiler "
+                                "(g++ or clang++) or set DSV4JIT_CXX or CXX to one")
 
 
 def _cxx_version(cxx: Path) -> str:
