@@ -20,7 +20,7 @@ import torch
 from . import env, runtime
 from .jit import build, loader
 from .jit.registry import Variant, unique
-from .jit.toolchain import Arch, toolchain
+from .jit.toolchain import Arch
 from .ops import _dtype_key, _store_format
 
 _OP = "warmup"
@@ -154,8 +154,6 @@ def _build_missing(todo: list[Variant], arch: Arch, jobs: Optional[int]) -> None
     if not missing:
         return
 
-    tc = toolchain(need_cuda=not arch.is_host)
     with ThreadPoolExecutor(max_workers=jobs or build.default_jobs(len(missing))) as pool:
-        for _ in pool.map(lambda r: build.build(r.variant, arch, tc, r.info, r.command, "warmup",
-                                                loader._load_module), missing):
+        for _ in pool.map(lambda r: loader.build_resolved(r, "warmup"), missing):
             pass
