@@ -51,24 +51,29 @@ def _rewrite_manifest(entry: Path, **changes) -> None:
     (entry / "manifest.json").write_text(json.dumps(manifest | changes))
 
 
+def _replace(module: Path, data: bytes) -> None:
+    """New contents for a module file, as a new file: this test process has the old one mapped (it
+    built and loaded it), and cutting a mapped file short would crash it with SIGBUS."""
+    fresh = module.with_name(module.name + ".new")
+    fresh.write_bytes(data)
+    os.replace(fresh, module)
+
+
 def _flip_last_byte(module: Path) -> None:
     data = bytearray(module.read_bytes())
     data[-1] ^= 0xFF  # in the section headers, which dlopen does not need
-    module.write_bytes(bytes(data))
-
-
-def _truncate(module: Path) -> None:
-    module.write_bytes(module.read_bytes()[:64 * 1024])
+    _replace(module, bytes(data))
 
 
 # name -> (damage done to the entry, the problem the WARNING must state). Loaded unchecked, the
 # truncated module killed the process with SIGBUS, the changed ones loaded (and crashed it at exit).
 DAMAGE = {
-    "empty module": (lambda e: (e / "module.so").write_bytes(b""), r"module\.so has 0 bytes, the manifest records \d+"),
-    "truncated module": (lambda e: _truncate(e / "module.so"), r"module\.so has 65536 bytes, the manifest records \d+"),
-    "random bytes": (lambda e: (e / "module.so").write_bytes(os.urandom((e / "module.so").stat().st_size)),
+    "empty module": (lambda e: _replace(e / "module.so", b""), r"module\.so has 0 bytes, the manifest records \d+"),
+    "truncated module": (lambda e: _replace(e / "module.so", (e / "module.so").read_bytes()[:64 * 1024]),
+                         r"module\.so has 65536 bytes, the manifest records \d+"),
+    "random bytes": (lambda e: _replace(e / "module.so", os.urandom((e / "module.so").stat().st_size)),
                      r"module\.so does not match the sha256 in manifest\.json"),
-    "another module": (lambda e: shutil.copyfile(FOREIGN_MODULE, e / "module.so"),
+    "another module": (lambda e: _replace(e / "module.so", FOREIGN_MODULE.read_bytes()),
                        rf"module\.so has {FOREIGN_MODULE.stat().st_size} bytes, the manifest records \d+"),
     "one byte changed": (lambda e: _flip_last_byte(e / "module.so"),
                          r"module\.so does not match the sha256 in manifest\.json"),
@@ -151,7 +156,7 @@ def test_damaged_entry_of_a_read_only_root_is_reported_and_left(published, tmp_p
     monkeypatch.setenv("DSV4JIT_CACHE_PATH", str(baked))
     monkeypatch.setenv("DSV4JIT_CACHE_DIR", str(tmp_path / "write-root"))
     baked_entry = baked / entry.relative_to(cache_dir)
-    (baked_entry / "module.so").write_bytes(b"")
+    _replace(baked_entry / "module.so", b"")
 
     monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
     with pytest.raises(DSV4JITCacheMiss) as err:
@@ -170,7 +175,7 @@ def test_damaged_entry_of_a_read_only_root_is_reported_and_left(published, tmp_p
 
 def test_list_and_precompile_see_a_damaged_entry(published, capsys):
     entry, counter = published
-    (entry / "module.so").write_bytes(b"")
+    _replace(entry / "module.so", b"")
     capsys.readouterr()
     assert cli.main(["list", "--kernel", "selftest", "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)["variants"]
@@ -321,7 +326,7 @@ def test_eight_precompiles_over_a_damaged_entry_rebuild_it_once(published, fake_
     """One process moves the entry aside (the one WARNING) and rebuilds it; the seven others wait for
     its lock and say that another process built it."""
     entry, counter = published
-    (entry / "module.so").write_bytes(b"")
+    _replace(entry / "module.so", b"")
     fake_nvcc("copy", copy_from=prebuilt.module, counter=counter, sleep=2)  # slow enough for all to queue
     go = tmp_path / "go"
     script = """
