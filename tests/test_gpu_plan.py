@@ -223,13 +223,108 @@ def test_checked_mode_reports_device_data_violations():
                                            num_q - 1)
         bad = r2t.clone()
         bad[rpi[0], : int(seq[0])] = 10**9  # slots past full_to_state
-        with pytest.raises(ValueError, match="full_to_state lookup is out of range"):
+        with pytest.raises(ValueError, match=rf"argument 'req_to_token': entry \[{int(rpi[0])}, \d+\] \(request 0, "
+                                             rf"position \d+\) must be an index of full_to_state .*, got 1000000000"):
             CompressorDecodePlan.generate(4, rpi.cuda(), bad.cuda(), f2s.cuda(), seq.cuda(), 256, 8)
         ok = CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), ext.cuda(), r2t.cuda(),
                                             torch.arange(f2s.numel(), dtype=torch.int64).cuda(), 256, 8, num_q)
         assert ok.plan_c.shape[0] == num_q
     finally:
         runtime.set_checks(None)
+
+
+def _clean_inputs(**batch_kw):
+    """planner_inputs without evicted slots, so that the only violation is the one a test makes."""
+    rpi, seq, ext, r2t, f2s = planner_inputs(5, batch=4, **batch_kw)
+    return rpi, seq, ext, r2t, torch.arange(f2s.numel(), dtype=torch.int64)
+
+
+def _entry(t: torch.Tensor, index: int, value: int) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+# (what is wrong, the inputs, the message of checked mode): device-resident tables and lengths
+DEVICE_DATA = {
+    "request slot": (lambda rpi, seq, ext, r2t, f2s: (_entry(rpi, 1, r2t.shape[0]), seq, ext, r2t, f2s),
+                     r"argument 'req_pool_indices': entry 1 must be a row of req_to_token \(in \[0, 7\)\), got 7"),
+    "negative request slot": (lambda rpi, seq, ext, r2t, f2s: (_entry(rpi, 2, -1), seq, ext, r2t, f2s),
+                              r"argument 'req_pool_indices': entry 2 must be a row of req_to_token .*, got -1"),
+    "short full_to_state": (lambda rpi, seq, ext, r2t, f2s: (rpi, seq, ext, r2t, f2s[:10]),
+                            r"argument 'req_to_token': entry \[\d+, \d+\] \(request 0, position \d+\) must be an "
+                            r"index of full_to_state \(in \[0, 10\)\), got \d+"),
+    "evicted slot": (lambda rpi, seq, ext, r2t, f2s: (rpi, seq, ext, r2t,
+                                                      _entry(f2s, int(r2t[rpi[3], int(seq[3]) - 1]), -1)),
+                     r"argument 'full_to_state': entry \d+ \(req_to_token\[\d+, \d+\], request 3\) must be a "
+                     r"state slot \(>= 0\).*, got -1"),
+}
+
+
+@pytest.mark.parametrize("path", ["gpu_lengths", "cpu_lengths", "decode"])
+@pytest.mark.parametrize("kind", DEVICE_DATA)
+def test_checked_mode_names_the_first_offending_entry(kind, path):
+    """Device-resident tables: checked mode names the argument, the first offending entry and its
+    value (read back from the inputs); default mode launches without a sync and reports nothing."""
+    spoil, message = DEVICE_DATA[kind]
+    rpi, seq, ext, r2t, f2s = spoil(*_clean_inputs())
+    cuda = torch.device("cuda")
+    lengths = cuda if path != "cpu_lengths" else torch.device("cpu")
+
+    def plan():
+        if path == "decode":
+            return CompressorDecodePlan.generate(4, rpi.to(cuda), r2t.to(cuda), f2s.to(cuda), seq.to(cuda), 256, 8)
+        return CompressorPrefillPlan.generate(4, rpi.to(cuda), seq.to(lengths), ext.to(lengths), r2t.to(cuda),
+                                              f2s.to(cuda), 256, 8, int(ext.sum()))
+
+    plan()  # default mode: no error, no sync
+    torch.cuda.synchronize()
+    runtime.set_checks(True)
+    try:
+        op = "CompressorDecodePlan.generate" if path == "decode" else "CompressorPrefillPlan.generate"
+        with pytest.raises(ValueError, match=rf"^dsv4jit\.{op} \(checked mode\): {message}"):
+            plan()
+    finally:
+        runtime.set_checks(None)
+
+
+def test_checked_mode_names_bad_device_lengths():
+    rpi, seq, ext, r2t, f2s = _clean_inputs()
+    cuda = torch.device("cuda")
+    runtime.set_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"argument 'extend_lens': entry 2 must be in \[1, seq_lens\[2\] = \d+\], "
+                                             r"got 0"):
+            CompressorPrefillPlan.generate(4, rpi.cuda(), seq.cuda(), _entry(ext, 2, 0).cuda(), r2t.cuda(),
+                                           f2s.cuda(), 256, 8, int(ext.sum()))
+        with pytest.raises(ValueError, match=r"argument 'seq_lens': entry 1 must be in \[1, 2\^31\), got 0"):
+            CompressorDecodePlan.generate(4, rpi.to(cuda), r2t.to(cuda), f2s.to(cuda), _entry(seq, 1, 0).to(cuda),
+                                          256, 8)
+        narrow = r2t[:, :int(seq[3]) - 1].contiguous()
+        with pytest.raises(ValueError, match=r"argument 'seq_lens': entry \d must be at most \d+ \(the columns of "
+                                             r"req_to_token\)"):
+            CompressorDecodePlan.generate(4, rpi.to(cuda), narrow.to(cuda), f2s.to(cuda), seq.to(cuda), 256, 8)
+    finally:
+        runtime.set_checks(None)
+
+
+def test_host_lengths_are_checked_in_default_mode():
+    """Lengths on the host cost nothing to check, even with the tables on the GPU."""
+    rpi, seq, ext, r2t, f2s = _clean_inputs()
+    narrow = r2t[:, :int(seq.max()) - 1].contiguous().cuda()
+    with pytest.raises(ValueError, match=r"^dsv4jit\.CompressorPrefillPlan\.generate: argument 'seq_lens': entry \d "
+                                         r"must be at most \d+ \(the columns of req_to_token\)"):
+        CompressorPrefillPlan.generate(4, rpi.cuda(), seq, ext, narrow, f2s.cuda(), 256, 8, int(ext.sum()))
+
+
+def test_a_cpu_tensor_among_cuda_ones_is_the_one_named():
+    rpi, seq, ext, r2t, f2s = _clean_inputs()
+    with pytest.raises(TypeError, match=r"argument 'req_pool_indices': must be a CUDA tensor, got device cpu"):
+        CompressorDecodePlan.generate(4, rpi, r2t.cuda(), f2s.cuda(), seq.cuda(), 256, 8)
+    with pytest.raises(TypeError, match=r"argument 'req_pool_indices': must be a CUDA tensor, got device cpu"):
+        CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t.cuda(), f2s.cuda(), 256, 8, int(ext.sum()))
+    with pytest.raises(TypeError, match=r"argument 'full_to_state': must be a CUDA tensor, got device cpu"):
+        CompressorDecodePlan.generate(4, rpi.cuda(), r2t.cuda(), f2s, seq.cuda(), 256, 8)
 
 
 def test_default_mode_never_reads_out_of_bounds():

@@ -7,6 +7,7 @@ real compile costs about 8 s, and the session compiles nothing twice).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -14,13 +15,12 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
+from child_process import CHILD_PRELUDE, PYTHON, counted, wait_for
 from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
 from dsv4jit import cli
 from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss, DSV4JITError, \
@@ -28,37 +28,6 @@ from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMis
 from dsv4jit.jit import build, cache, loader, toolchain
 
 pytestmark = pytest.mark.usefixtures("jit_env")
-
-PYTHON = sys.executable
-
-# Imports paid up front so that the timed or synchronised part of a child is only the load.
-CHILD_PRELUDE = """
-import json, os, sys, time
-from pathlib import Path
-import torch, tvm_ffi
-import dsv4jit
-from dsv4jit.jit import loader
-from dsv4jit.jit.toolchain import Arch
-VARIANT, ARCH = loader.variant("selftest", dtype="fp32", pdl=True), Arch.parse("9.0a")
-"""
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"child exited ({proc.returncode}) before {what}:\n{out}\n{err}")
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
-def counted(path: Path) -> int:
-    """Compiler runs recorded by a stand-in nvcc (one line each)."""
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
 
 # --------------------------------------------------------------------------------------------
 # (1) concurrency
@@ -147,13 +116,16 @@ def read_only_cache(cache_dir, monkeypatch):
     cache_dir.chmod(0o755)
 
 
-def test_read_only_cache_dir_raises_naming_the_dir(fake_nvcc, prebuilt, monkeypatch, read_only_cache, selftest, arch):
+def test_read_only_cache_dir_raises_naming_the_dir_the_variant_and_the_fix(fake_nvcc, prebuilt, monkeypatch, read_only_cache, selftest, arch):
     counter = read_only_cache.parent / "nvcc-runs"
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, counter=counter)))
     with pytest.raises(DSV4JITCacheError) as err:
         loader.load(selftest, arch)
     assert str(read_only_cache) in str(err.value)
     assert "DSV4JIT_CACHE_DIR" in str(err.value) and "DSV4JIT_CACHE_FALLBACK=tmp" in str(err.value)
+    # what is missing, and the command that builds it (as in the no-compile mode's message)
+    assert f"{SELFTEST_ID} for sm_90a is not in the kernel cache" in str(err.value)
+    assert f"python -m dsv4jit precompile --arch sm_90a --set '{SELFTEST_ID}'" in str(err.value)
     assert counted(counter) == 0
     assert not (read_only_cache / f"v{cache.SCHEMA}").exists()
 
@@ -378,6 +350,7 @@ def test_manifest_describes_the_entry(warm_cache, selftest, arch):
     assert cache._hash(manifest["document"]) == manifest["key"]
     assert cache._hash({k: v for k, v in manifest["document"].items() if k != "toolchain"}) == manifest["source_key"]
     assert manifest["size"] == (entry / "module.so").stat().st_size > 0
+    assert manifest["sha256"] == hashlib.sha256((entry / "module.so").read_bytes()).hexdigest()
     assert manifest["build_seconds"] > 0
     log = (entry / "build.log").read_text()
     assert "-gencode=arch=compute_90a,code=sm_90a" in log.splitlines()[0]

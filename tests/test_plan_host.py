@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -101,27 +103,46 @@ def test_bad_lengths_and_dtypes():
     rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=3)
     bad_ext = ext.clone()
     bad_ext[1] = seq[1] + 1
-    with pytest.raises(ValueError, match=r"request 1 must have 0 < extend_len <= seq_len"):
+    with pytest.raises(ValueError, match=r"argument 'extend_lens': entry 1 must be in \[1, seq_lens\[1\] = \d+\], got \d+"):
         CompressorPrefillPlan.generate(4, rpi, seq, bad_ext, r2t, f2s, 256, 8, int(bad_ext.sum()))
     with pytest.raises(TypeError, match="argument 'full_to_state': dtype must be int64, got int32"):
         CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s.int(), 256, 8, int(ext.sum()))
-    with pytest.raises(ValueError, match="argument 'seq_lens' must be in"):
+    with pytest.raises(ValueError, match=r"argument 'seq_lens': entry 0 must be in \[1, 2\^31\), got 0"):
         CompressorDecodePlan.generate(4, rpi, r2t, f2s, seq * 0, 256, 8)
     with pytest.raises(ValueError, match="req_to_token and full_to_state are required"):
         CompressorDecodePlan.generate(4, rpi, None, None, seq, 256, 8)
 
 
-def test_checked_mode_flags_out_of_range_lookups():
+def test_out_of_range_lookups_raise_in_default_mode():
+    """Host-resident tables cost nothing to check: the first bad lookup is named with its value."""
+    rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=3)
+    short = f2s[:10]  # almost every req_to_token slot now points past full_to_state
+    rid = int(rpi[0])
+    with pytest.raises(ValueError) as err:
+        CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, short, 256, 8, int(ext.sum()))
+    m = re.fullmatch(rf"dsv4jit\.CompressorPrefillPlan\.generate: argument 'req_to_token': entry \[{rid}, (\d+)\] "
+                     rf"\(request 0, position \1\) must be an index of full_to_state \(in \[0, 10\)\), got (\d+)",
+                     str(err.value))
+    assert m, str(err.value)
+    pos, value = int(m.group(1)), int(m.group(2))
+    assert pos < int(seq[0]) and value == int(r2t[rid, pos]) >= 10
+
+
+def test_negative_state_slots_raise_in_checked_mode():
+    """full_to_state marks evicted slots -1; a needed token's -1 gives row -1 (C arithmetic, contract §9.11),
+    which only checked mode reports."""
     rpi, seq, ext, r2t, f2s = planner_inputs(2, batch=3)
     num_q = int(ext.sum())
-    short = f2s[:10]  # almost every req_to_token slot now points past full_to_state
-    plain = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, short, 256, 8, num_q)  # default: no error
-    w = plan_layout.decode_write_plan(plain.plan_w)
-    assert bool((w.write_loc == -1).any())  # out-of-range lookups read as the "no slot" value -1
+    rid, pos = int(rpi[1]), int(seq[1]) - 1  # request 1's last token is always written
+    evicted = f2s.clone()
+    evicted[int(r2t[rid, pos])] = -1
+    plain = CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, evicted, 256, 8, num_q)
+    assert bool((plan_layout.decode_write_plan(plain.plan_w).write_loc == -1).any())
     runtime.set_checks(True)
     try:
-        with pytest.raises(ValueError, match="full_to_state lookup is out of range"):
-            CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, short, 256, 8, num_q)
+        with pytest.raises(ValueError, match=rf"argument 'full_to_state': entry {int(r2t[rid, pos])} "
+                                             rf"\(req_to_token\[{rid}, {pos}\], request 1\) must be a state slot"):
+            CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, evicted, 256, 8, num_q)
     finally:
         runtime.set_checks(None)
 

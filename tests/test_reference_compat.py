@@ -531,7 +531,7 @@ PREFILL_ERRORS = {
     "batch_id": (False, {"write_plan": legacy_plan((4, 2, 0, 0))}, ValueError, "batch_id"),
     "ragged_id": (False, {"compress_plan": legacy_plan((5, 0, 3, 0))}, ValueError, "ragged_id"),
     "ragged_rows_before_the_input": (False, {"compress_plan": legacy_plan((2, 0, 7, 0))}, ValueError,
-                                     "kv_score_input rows"),
+                                     "argument 'kv_score_input' rows read"),
     "load_page_out_of_range": (True, {"compress_plan": legacy_plan((3, 0, 7, 6)),
                                           "extra": i32(9, 1, 2, 4, 0, 1, 2, 4).view(2, 4)}, ValueError, "rows read"),
     "write_page_out_of_range": (True, {"write_plan": legacy_plan((4, 1, 5, 0)),

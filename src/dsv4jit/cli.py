@@ -162,9 +162,7 @@ def cmd_precompile(args) -> int:
 
     def one(res):
         t = time.monotonic()
-        build.build(res.variant, res.arch, _toolchain_for(res.arch), res.info, res.command,
-                    "precompile", loader._load_module)
-        return time.monotonic() - t
+        return loader.build_resolved(res, "precompile"), time.monotonic() - t
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(one, r): r for r in todo}
@@ -174,11 +172,17 @@ def cmd_precompile(args) -> int:
                 results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cancelled"})
                 continue
             try:
-                seconds = fut.result()
-                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "built",
-                                "seconds": round(seconds, 2)})
+                built, seconds = fut.result()
+                if built.compiled:
+                    results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "built",
+                                    "seconds": round(seconds, 2)})
+                    done = f"{seconds:.1f}s"
+                else:  # another process built it while this one waited for the key lock
+                    results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cached",
+                                    "entry": str(built.entry), "waited": round(built.waited, 2)})
+                    done = f"built by another process (waited {built.waited:.1f}s)"
                 if not args.json:
-                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} {seconds:.1f}s", flush=True)
+                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} {done}", flush=True)
             except DSV4JITError as e:
                 failed += 1
                 results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "failed", "error": str(e)})
@@ -194,12 +198,6 @@ def cmd_precompile(args) -> int:
                f"{wall:.1f}s wall (-j {jobs})")
     _emit(args, {"results": results, "summary": counts, "wall_seconds": round(wall, 2)}, [summary])
     return EXIT_FAILED if failed else EXIT_OK
-
-
-def _toolchain_for(arch):
-    from .jit.toolchain import toolchain
-
-    return toolchain(need_cuda=not arch.is_host)
 
 
 def cmd_list(args) -> int:
@@ -225,9 +223,12 @@ def cmd_list(args) -> int:
             continue
         rows.append({"variant": v.id, "arch": a.name, "status": status,
                      "key": res.info.key if res.info else None, "entry": str(res.entry) if res.entry else None,
-                     "size": m.get("size") if m else None, "build_seconds": m.get("build_seconds") if m else None})
+                     "size": m.get("size") if m else None, "build_seconds": m.get("build_seconds") if m else None,
+                     "damaged": [{"entry": str(d.entry), "problem": d.problem} for d in res.damaged]})
     _emit(args, {"variants": rows}, [f"{r['status']:>7}  {r['variant']}  {r['arch']}" +
-                                     (f"  {r['size']} B  {r['build_seconds']}s" if r["size"] else "") for r in rows])
+                                     (f"  {r['size']} B  {r['build_seconds']}s" if r["size"] else "") +
+                                     "".join(f"  (damaged: {d['entry']}: {d['problem']})" for d in r["damaged"])
+                                     for r in rows])
     return EXIT_OK
 
 
@@ -253,7 +254,7 @@ def cmd_clean(args) -> int:
     if args.all or args.stale:  # old schemas, abandoned stages, swapped-out entries, failed-build logs
         doomed += [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
         doomed += [p for p in base.glob("*/*/.stage-*") if now - p.stat().st_mtime > env.build_timeout()]
-        doomed += list(base.glob("*/*/.old-*"))
+        doomed += list(base.glob("*/*/.old-*")) + list(base.glob("*/*/.bad-*"))
         doomed += [root / "failed"] if (root / "failed").is_dir() else []
     if args.stale:
         doomed += _superseded(root)

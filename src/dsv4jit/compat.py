@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .ops import _FLOAT_DTYPES, _STATE_DTYPES, _cuda_device, _describe, _dtype_name
+from .ops import _FLOAT_DTYPES, _STATE_DTYPES, _cuda_device, _describe, _dtype_name, _public_error
 from .plan_layout import LEGACY_PLAN_BYTES
 from .reference import compat as ref
 
@@ -119,7 +119,10 @@ def flash_c4_decode(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
         check("seq_lens", seq_lens, ("batch_size",), (torch.int32,), align=4)
         if extra is not None:
             check("extra", extra, ("batch_size", 1), (torch.int32,), align=4)
-        return ref.c4_decode(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
+        try:
+            return ref.c4_decode(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
+        except (ValueError, TypeError) as e:  # the reference names its argument: add the function's name
+            _public_error(op, e, locals(), ())
     fn = _kernel(op, device, "decode", hd, kv_score_buffer, kv_score_input, kv_compressed_output)
     status = runtime.status_word(device)
     fn(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra, status)
@@ -162,8 +165,11 @@ def flash_c4_prefill(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
             if rows > tokens:
                 raise ValueError(f"dsv4jit.{op}: argument '{arg}' must have at most num_q_tokens ({tokens}) rows, "
                                  f"got {rows}")
-        return ref.c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan,
-                              write_plan, extra)
+        try:
+            return ref.c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan,
+                                  write_plan, extra)
+        except (ValueError, TypeError) as e:  # the reference names its argument: add the function's name
+            _public_error(op, e, locals(), ())
     fn = _kernel(op, device, "prefill", hd, kv_score_buffer, kv_score_input, kv_compressed_output)
     status = runtime.status_word(device)
     fn(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan, extra, status)

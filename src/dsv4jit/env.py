@@ -90,6 +90,11 @@ def extra_cuda_flags() -> list[str]:
     return shlex.split(os.environ.get("DSV4JIT_EXTRA_CUDA_FLAGS", ""))
 
 
+def nvcc_flag_variables() -> dict[str, str]:
+    """NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS when set: nvcc itself adds them to every command line."""
+    return {name: value for name in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS") if (value := os.environ.get(name))}
+
+
 def lineinfo() -> bool:
     return _flag("DSV4JIT_LINEINFO")
 
@@ -123,5 +128,5 @@ def checks() -> bool:
 
 
 def all_settings() -> dict[str, str]:
-    """The ``DSV4JIT_*`` variables currently set (for ``dsv4jit info``)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DSV4JIT_")}
+    """The ``DSV4JIT_*`` variables and nvcc's flag variables currently set (for ``dsv4jit info``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DSV4JIT_")} | nvcc_flag_variables()

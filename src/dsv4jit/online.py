@@ -13,15 +13,20 @@ import torch
 
 from . import library, runtime
 from .ops import (
+    _FUSED_TENSORS,
     _STATE_DTYPES,
     _ape_as,
+    _call_fused,
+    _check_freq,
+    _check_store,
+    _check_widths,
     _cuda_device,
     _describe,
     _dtype_name,
     _freq_table,
     _norm_rope_store,
     _num_q_tokens,
-    _call_fused,
+    _public_error,
     _state_pool,
     _store_format,
 )
@@ -56,6 +61,12 @@ def _check_online(op: str, plan: CompressorPrefillPlan | CompressorDecodePlan, c
                         f"got {kv_score_input.dtype}")
 
 
+def _online_widths(op: str, message: str, head_dim: int, kv_score_buffer, kv_score_input, ape) -> None:
+    _check_widths(op, message, head_dim, "in the online compressor",
+                  {"kv_score_buffer": (kv_score_buffer, 3 * head_dim), "kv_score_input": (kv_score_input, 2 * head_dim),
+                   "ape": (ape, head_dim)})
+
+
 def compress_forward_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                             plan: CompressorPrefillPlan | CompressorDecodePlan, *, head_dim: int,
                             compress_ratio: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,12 +77,16 @@ def compress_forward_online(kv_score_buffer: torch.Tensor, kv_score_input: torch
     Prefill: output row i is the pooled row of the segment in plan_c row i (invalid rows untouched).
     Decode: row b holds the pooled row when position seq_len − 1 closes a 128-chunk, else zeros.
     """
-    _check_online(_OP, plan, compress_ratio, head_dim, kv_score_input)
-    ape = _ape_as(_OP, ape, torch.float32)
-    if out is None:
-        out = torch.empty((plan[1].shape[0], head_dim), dtype=torch.float32, device=kv_score_input.device)
-    _compress_online(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
-                     head_dim)
+    try:
+        _check_online(_OP, plan, compress_ratio, head_dim, kv_score_input)
+        ape = _ape_as(_OP, ape, torch.float32)
+        if out is None:
+            out = torch.empty((plan[1].shape[0], head_dim), dtype=torch.float32, device=kv_score_input.device)
+        _compress_online(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
+                         head_dim)
+    except (ValueError, TypeError, AttributeError) as e:
+        _public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
+                      lambda text: _online_widths(_OP, text, head_dim, kv_score_buffer, kv_score_input, ape))
     return out
 
 
@@ -114,17 +129,21 @@ def compress_and_store_online(kv_score_buffer: torch.Tensor, kv_score_input: tor
     """compress_forward_online followed by compress_norm_rope_store in one kernel (prefill: plus the
     state write pass); states and caches byte-identical to the two steps. head_dim 512 (V4 formats)."""
     op = _FUSED_OP
-    _check_online(op, plan, compress_ratio, head_dim, kv_score_input)
-    fmt = _store_format(op, head_dim, use_fp4, bf16_store, "'head_dim'")
-    if head_dim != _FUSED_HEAD_DIM:
-        raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with is_online=True (the V4 cache "
-                         f"formats), got {head_dim}")
-    ape = _ape_as(op, ape, torch.float32)
-    if norm_weight.dtype != torch.float32:
-        norm_weight = norm_weight.float()
-    _compress_and_store_online(kv_score_buffer, kv_score_input, ape, plan[1],
-                               None if plan.is_decode else plan.plan_w, norm_weight, _freq_table(freq_cis), out_loc,
-                               kvcache, fmt, page_size, float(norm_eps), _num_q_tokens(plan))
+    try:
+        _check_online(op, plan, compress_ratio, head_dim, kv_score_input)
+        fmt = _store_format(op, head_dim, use_fp4, bf16_store, "'head_dim'")
+        if head_dim != _FUSED_HEAD_DIM:
+            raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with is_online=True (the V4 cache "
+                             f"formats), got {head_dim}")
+        ape = _ape_as(op, ape, torch.float32)
+        if norm_weight.dtype != torch.float32:
+            norm_weight = norm_weight.float()
+        _compress_and_store_online(kv_score_buffer, kv_score_input, ape, plan[1],
+                                   None if plan.is_decode else plan.plan_w, norm_weight, _freq_table(freq_cis),
+                                   out_loc, kvcache, fmt, page_size, float(norm_eps), _num_q_tokens(plan))
+    except (ValueError, TypeError, AttributeError) as e:
+        _public_error(op, e, locals(), _FUSED_TENSORS, (), lambda text: (
+            _online_widths(op, text, head_dim, kv_score_buffer, kv_score_input, ape), _check_freq(op, freq_cis)))
 
 
 @library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache"))
@@ -138,8 +157,10 @@ def _compress_and_store_online(kv_score_buffer: torch.Tensor, kv_score_input: to
     kv_score_buffer = _state_pool(kv_score_buffer, 1, 3 * hd)
     is_decode = plan_w is None
     device = _cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache)
-    if device is None:  # the reference of the two steps
+    if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
         rows = torch.empty((plan_rows.shape[0], hd), dtype=torch.float32)
+        _check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, _RATIO, is_decode,
+                     num_q_tokens)
         _compress_online.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, hd)
         _norm_rope_store.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, _RATIO,
                               is_decode, norm_eps, num_q_tokens)

@@ -7,12 +7,13 @@ custom op (library.py) that takes only tensors and scalars: what torch.compile r
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Union
 
 import torch
 
-from . import library, runtime
-from .plan import CompressorDecodePlan, CompressorPrefillPlan
+from . import arguments, library, runtime
+from .plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from .reference import compress as ref_compress
 from .reference import store as ref_store
 
@@ -72,6 +73,63 @@ def _describe(texts: dict[int, str]):
 _DESCRIBE_COMPRESS, _DESCRIBE_STORE = _describe(_COMPRESS_STATUS), _describe(_STORE_STATUS)
 
 
+_NAMED_OP = re.compile(r"dsv4jit\.[\w.]+")
+_PLAN_FIELDS = ("plan_c", "plan_w", "plan_d")
+
+
+def _public_error(op: str, error: Exception, given: dict, names: tuple, optional: tuple = (), explain=None):
+    """Raise `error`, met by public op `op`, as what the user passed: an argument of the wrong type
+    (arguments.explain), then what `explain(message)` finds (a head_dim the tensors do not have, a
+    freq_cis of another form), else the error itself under the op's name. A torch reference names
+    its own argument (`plan_w`, a field of the op's plan), a step of a fused op names that step: both
+    become the op and its argument. Only failing calls get here, so the happy path pays nothing."""
+    arguments.explain(op, given, names, optional)
+    text = str(error)
+    if explain is not None:
+        explain(text)
+    if not isinstance(error, (ValueError, TypeError)):
+        raise error
+    if text.startswith("dsv4jit."):
+        text = _NAMED_OP.sub(f"dsv4jit.{op}", text, count=1)
+    else:
+        name = re.match(r"\w*", text).group()
+        if name in _PLAN_FIELDS:
+            text = f"dsv4jit.{op}: argument 'plan' ({name}){text[len(name):]}"
+        elif name in given:
+            text = f"dsv4jit.{op}: argument '{name}'{text[len(name):]}"
+        else:
+            text = f"dsv4jit.{op}: {text}"
+    raise type(error)(text) from None
+
+
+def _check_widths(op: str, message: str, head_dim: int, context: str, rows: dict) -> None:
+    """After a failed call (`message`, unless it is about head_dim already): ValueError naming head_dim
+    when a tensor's rows do not have the width it implies (`rows`: name -> (tensor, width))."""
+    if "argument 'head_dim'" in message:
+        return
+    for name, (t, width) in rows.items():
+        if t.dim() and t.shape[-1] != width:
+            factor = "head_dim" if width == head_dim else f"{width // head_dim}·head_dim"
+            raise ValueError(f"dsv4jit.{op}: argument 'head_dim' is {head_dim}, but the rows of '{name}' have "
+                             f"{t.shape[-1]} values (shape {list(t.shape)}); {context} they have {factor} = {width}")
+
+
+def _ring_widths(op: str, message: str, head_dim: int, compress_ratio: int, kv_score_buffer, kv_score_input,
+                 ape) -> None:
+    width = _row_width(compress_ratio, head_dim)
+    _check_widths(op, message, head_dim, f"with compress_ratio {compress_ratio}",
+                  {"kv_score_buffer": (kv_score_buffer, width), "kv_score_input": (kv_score_input, width),
+                   "ape": (ape, head_dim)})
+
+
+def _scalars(op: str, ints: dict, flags: dict) -> None:
+    """TypeError naming an int or bool argument of another type (the callers test the types first)."""
+    for name, value in ints.items():
+        arguments.integer(op, name, value)
+    for name, value in flags.items():
+        arguments.flag(op, name, value)
+
+
 def _check_ratio(op: str, plan, compress_ratio: int) -> None:
     if compress_ratio not in (4, 128):
         raise ValueError(f"dsv4jit.{op}: argument 'compress_ratio' must be 4 or 128, got {compress_ratio}")
@@ -100,17 +158,25 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     Returns ``[plan[1].shape[0], head_dim]`` (input dtype unless `out` is given): prefill row i pairs
     with plan_c row i (invalid rows untouched); decode rows off a compress boundary are zero.
     """
+    plan = as_plan(_OP, plan)
+    if type(head_dim) is not int or type(compress_ratio) is not int or type(is_online) is not bool:
+        _scalars(_OP, {"head_dim": head_dim, "compress_ratio": compress_ratio}, {"is_online": is_online})
     if is_online:
         from .online import compress_forward_online  # online.py builds on this module's helpers
 
         return compress_forward_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim,
                                        compress_ratio=compress_ratio, out=out)
     _check_ratio(_OP, plan, compress_ratio)
-    ape = _ape_as(_OP, ape, kv_score_input.dtype)
-    if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
-        out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
-    _compress(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
-              head_dim, compress_ratio, plan.is_decode)
+    try:
+        ape = _ape_as(_OP, ape, kv_score_input.dtype)
+        if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
+            out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
+        _compress(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w, out,
+                  head_dim, compress_ratio, plan.is_decode)
+    except (ValueError, TypeError, AttributeError) as e:
+        _public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
+                      lambda text: _ring_widths(_OP, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input,
+                                                ape))
     return out
 
 
@@ -181,6 +247,20 @@ def _freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
     return freq_cis
 
 
+_ROPE_PAIRS = ref_store.ROPE_DIM // 2
+
+
+def _check_freq(op: str, freq_cis: torch.Tensor) -> None:
+    """After a failed call: freq_cis reported as the user passed it when it has neither accepted
+    form (the checks downstream see the real view `_freq_table` made of it)."""
+    if freq_cis.dim() == 2 and ((freq_cis.dtype == torch.complex64 and freq_cis.shape[1] == _ROPE_PAIRS)
+                                or (freq_cis.dtype == torch.float32 and freq_cis.shape[1] == 2 * _ROPE_PAIRS)):
+        return
+    error = TypeError if freq_cis.dtype not in (torch.complex64, torch.float32) else ValueError
+    raise error(f"dsv4jit.{op}: argument 'freq_cis' must be complex64 [max_pos, {_ROPE_PAIRS}] or float32 "
+                f"[max_pos, {2 * _ROPE_PAIRS}] (interleaved cos, sin), got {list(freq_cis.shape)} {freq_cis.dtype}")
+
+
 def _freq_cis(freq_table: torch.Tensor) -> torch.Tensor:
     """The complex view of a real (cos, sin) table, for the torch references."""
     return torch.view_as_complex(freq_table.reshape(freq_table.shape[0], -1, 2))
@@ -200,15 +280,27 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     512 -> V4 fp8 latent (or bf16 rows with bf16_store), 128 -> indexer fp8 (or fp4 with use_fp4).
     """
     op = "compress_norm_rope_store"
-    if layout != "v4" or fp8_2buff or kvcache_rope is not None:
-        raise NotImplementedError(f"dsv4jit.{op}: only layout='v4' without fp8_2buff/kvcache_rope is available")
-    if kv.dim() != 2:
-        raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
-    fmt = _store_format(op, kv.shape[1], use_fp4, bf16_store, "'kv': head_dim (kv.shape[1])")
-    if norm_weight.dtype != kv.dtype:
-        norm_weight = norm_weight.to(kv.dtype)
-    _norm_rope_store(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
-                     plan.compress_ratio, plan.is_decode, float(norm_eps), _num_q_tokens(plan))
+    unavailable = [(name, value, only) for name, value, only, ok in (
+        ("layout", layout, "v4", layout == "v4"), ("fp8_2buff", fp8_2buff, False, not fp8_2buff),
+        ("kvcache_rope", kvcache_rope, None, kvcache_rope is None)) if not ok]
+    for name, value, only in unavailable[:1]:  # the V4 layout only (contract §9.5)
+        shown = type(value).__name__ if isinstance(value, torch.Tensor) else repr(value)
+        raise NotImplementedError(f"dsv4jit.{op}: argument '{name}' can only be {only!r} (the V4 layout), got {shown}")
+    plan = as_plan(op, plan)
+    if type(page_size) is not int or type(use_fp4) is not bool or type(bf16_store) is not bool:
+        _scalars(op, {"page_size": page_size}, {"use_fp4": use_fp4, "bf16_store": bf16_store})
+    eps = arguments.nonnegative(op, "norm_eps", norm_eps)
+    try:
+        if kv.dim() != 2:
+            raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
+        fmt = _store_format(op, kv.shape[1], use_fp4, bf16_store, "'kv': head_dim (kv.shape[1])")
+        if norm_weight.dtype != kv.dtype:
+            norm_weight = norm_weight.to(kv.dtype)
+        _norm_rope_store(kv, plan[1], norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
+                         plan.compress_ratio, plan.is_decode, eps, _num_q_tokens(plan))
+    except (ValueError, TypeError, AttributeError) as e:
+        _public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), (),
+                      lambda text: _check_freq(op, freq_cis))
 
 
 @library.custom_op("norm_rope_store", mutates_args=("kvcache",))
@@ -233,6 +325,18 @@ def _norm_rope_store(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: tor
     runtime.raise_status(status, op, _DESCRIBE_STORE)
 
 
+def _check_store(rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
+                 out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int, compress_ratio: int,
+                 is_decode: bool, num_q_tokens: int) -> None:
+    """The store step's checks on the CPU (rows: its input, values not read), for a fused op to run
+    before its compress step writes the state."""
+    _check_out_loc("compress_and_store", is_decode, num_q_tokens, out_loc, rows.shape[0])
+    ref_store.checked_store(rows, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
+                            norm_weight=norm_weight, freq_cis=_freq_cis(freq), out_loc=out_loc, kvcache=kvcache,
+                            page_size=page_size, use_fp4=store_format == "indexer_fp4",
+                            bf16_store=store_format == "v4_bf16")
+
+
 def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                        plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *, head_dim: int,
                        compress_ratio: int, norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
@@ -247,11 +351,17 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
     """
     op = "compress_and_store"
+    plan = as_plan(op, plan)
+    if (type(head_dim) is not int or type(compress_ratio) is not int or type(page_size) is not int
+            or type(use_fp4) is not bool or type(bf16_store) is not bool or type(is_online) is not bool):
+        _scalars(op, {"head_dim": head_dim, "compress_ratio": compress_ratio, "page_size": page_size},
+                 {"use_fp4": use_fp4, "bf16_store": bf16_store, "is_online": is_online})
+    eps = arguments.nonnegative(op, "norm_eps", norm_eps)
     if is_online:
         from .online import compress_and_store_online  # online.py builds on this module's helpers
 
         return compress_and_store_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim,
-                                         compress_ratio=compress_ratio, norm_weight=norm_weight, norm_eps=norm_eps,
+                                         compress_ratio=compress_ratio, norm_weight=norm_weight, norm_eps=eps,
                                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size,
                                          use_fp4=use_fp4, bf16_store=bf16_store)
     _check_ratio(op, plan, compress_ratio)
@@ -259,12 +369,20 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     if compress_ratio == 128 and head_dim != 512:
         raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with compress_ratio 128 (the V4 cache "
                          f"formats), got {head_dim}")
-    ape = _ape_as(op, ape, kv_score_input.dtype)
-    if norm_weight.dtype != kv_score_input.dtype:
-        norm_weight = norm_weight.to(kv_score_input.dtype)
-    _compress_and_store(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w,
-                        norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size, head_dim,
-                        compress_ratio, plan.is_decode, float(norm_eps), _num_q_tokens(plan))
+    try:
+        ape = _ape_as(op, ape, kv_score_input.dtype)
+        if norm_weight.dtype != kv_score_input.dtype:
+            norm_weight = norm_weight.to(kv_score_input.dtype)
+        _compress_and_store(kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan.plan_w,
+                            norm_weight, _freq_table(freq_cis), out_loc, kvcache, fmt, page_size, head_dim,
+                            compress_ratio, plan.is_decode, eps, _num_q_tokens(plan))
+    except (ValueError, TypeError, AttributeError) as e:
+        _public_error(op, e, locals(), _FUSED_TENSORS, (), lambda text: (
+            _ring_widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
+            _check_freq(op, freq_cis)))
+
+
+_FUSED_TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis", "out_loc", "kvcache")
 
 
 @library.custom_op("compress_and_store", mutates_args=("kv_score_buffer", "kvcache"))
@@ -277,8 +395,10 @@ def _compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Ten
     op = "compress_and_store"
     kv_score_buffer = _state_pool(kv_score_buffer, compress_ratio, _row_width(compress_ratio, head_dim))
     device = _cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache)
-    if device is None:  # the reference of the two steps
+    if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
         rows = torch.empty((plan_rows.shape[0], head_dim), dtype=kv_score_input.dtype)
+        _check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, compress_ratio,
+                     is_decode, num_q_tokens)
         _compress.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
                        is_decode)
         _norm_rope_store.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size,

@@ -8,42 +8,65 @@ paths produce the same bytes (rows in batch-major, position-ascending order).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import plan_layout, runtime
+from . import arguments, plan_layout, runtime
 
 _OP_PREFILL = "CompressorPrefillPlan.generate"
 _OP_DECODE = "CompressorDecodePlan.generate"
+_TABLES = 3  # req_pool_indices, req_to_token, full_to_state: what describe_status takes
+#: Tables each planner family reads (online plans read req_pool_indices only).
+_READS = {"prefill": 3, "decode": 3, "prefill_online": 1, "decode_online": 1}
 
 
-def _describe(kernel: str, device: torch.device):
-    """The planner's own text for status bits, looked up only when there is something to report."""
-    return lambda code: runtime.function(kernel, "describe_status", device)(code)
+def _placement(tables, lengths) -> tuple[torch.device, bool]:
+    """(device, on a GPU) of the plans: with the first lookup table on a GPU, else with the lengths
+    if one of them is, else the CPU. Any CUDA tensor sends the call to the kernels, whose checks
+    then name a tensor left on the CPU. `is_cuda` over `device.type`: this runs on every step's
+    host path."""
+    for t in tables:
+        if t is not None and t.is_cuda:
+            return t.device, True
+    for t in lengths:
+        if t.is_cuda:
+            return t.device, True
+    return tables[0].device, False
 
 
-def _placement(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.device, bool]:
-    """(device, on a GPU) of the plans: with the lookup tables (req_pool_indices), or with the lengths
-    if those are on a GPU. `is_cuda` over `device.type`: this runs on every step's host path."""
-    if req_pool_indices.is_cuda:
-        return req_pool_indices.device, True
-    return seq_lens.device, seq_lens.is_cuda
+def _plan_status(device: torch.device) -> torch.Tensor | None:
+    """Checked mode: the planner's status words (bits, padding, lowest violation key as u64)."""
+    return torch.tensor([0, 0, -1, -1], dtype=torch.int32, device=device) if runtime.checks_enabled() else None
+
+
+def _raise_status(status, op: str, device: torch.device, tables, seq_lens, extend_lens=None) -> None:
+    """Checked mode on the GPU: sync, and raise ValueError naming the first offending argument,
+    index and value (the planner reads them back from the inputs) if the kernel reported one."""
+    if status is None:
+        return
+    words = status.cpu()
+    if int(words[0]):
+        padded = (*tables, *(None,) * (_TABLES - len(tables)))
+        text = runtime.function("plan", "describe_status", device)(words, *padded, seq_lens, extend_lens)
+        raise ValueError(f"dsv4jit.{op} (checked mode): {text}")
 
 
 def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,
              ring_size, num_q_tokens, use_cuda_graph, use_req_ring, legacy):
     args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
-    return _plan_prefill("prefill", _OP_PREFILL, (req_pool_indices, req_to_token, full_to_state), args, seq_lens,
+    op = _OP_PREFILL + "_legacy" if legacy else _OP_PREFILL
+    return _plan_prefill("prefill", op, (req_pool_indices, req_to_token, full_to_state), args, seq_lens,
                          extend_lens, num_q_tokens, use_cuda_graph, plan_layout.WRITE_PLAN_BYTES)
 
 
 def _plan_prefill(entry, op, tables, args, seq_lens, extend_lens, num_q_tokens, use_cuda_graph, write_row_bytes):
     """One planner family's prefill entry points (`entry`, `entry`_counts/_device/_host_lengths): the path
     by where lengths and lookup tables (`tables`, led by req_pool_indices) live."""
-    num_q_tokens = int(num_q_tokens)
-    device, on_gpu = _placement(tables[0], seq_lens)
+    num_q_tokens = operator.index(num_q_tokens)  # a float is a TypeError, which the caller explains
+    device, on_gpu = _placement(tables, (seq_lens, extend_lens))
     kernel = "plan" if on_gpu else "plan_host"
     if seq_lens.is_cuda or use_cuda_graph:  # bucket-sized plans, invalid past the counts
         rows_c = rows_w = num_q_tokens
@@ -52,52 +75,59 @@ def _plan_prefill(entry, op, tables, args, seq_lens, extend_lens, num_q_tokens, 
         rows_c, rows_w = counts >> 32, counts & 0xFFFFFFFF
     plan_c = torch.empty((rows_c, 16), dtype=torch.uint8, device=device)
     plan_w = torch.empty((rows_w, write_row_bytes), dtype=torch.uint8, device=device)
-    if not on_gpu:
+    if not on_gpu:  # every input on the host: the host planner checks them in default mode too
         runtime.function(kernel, entry, device)(*tables, seq_lens, extend_lens, plan_c, plan_w, num_q_tokens, *args,
                                                use_cuda_graph, runtime.checks_enabled())
         return plan_c, plan_w
-    status = runtime.status_word(device)
+    status = _plan_status(device)
     if seq_lens.is_cuda:
         runtime.function(kernel, entry + "_device", device)(*tables, seq_lens, extend_lens, plan_c, plan_w, status,
                                                            *args)
     else:
         runtime.function(kernel, entry + "_host_lengths", device)(*tables, seq_lens, extend_lens, plan_c, plan_w,
                                                                  status, num_q_tokens, *args, use_cuda_graph)
-    runtime.raise_status(status, op, _describe(kernel, device))
+    _raise_status(status, op, device, tables[:_READS[entry]], seq_lens, extend_lens)
     return plan_c, plan_w
 
 
 def _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size, ring_size,
             use_req_ring, legacy):
     args = (compress_ratio, swa_page_size, ring_size, use_req_ring, legacy)
-    return _plan_decode("decode", _OP_DECODE, (req_pool_indices, req_to_token, full_to_state), args, seq_lens)
+    op = _OP_DECODE + "_legacy" if legacy else _OP_DECODE
+    return _plan_decode("decode", op, (req_pool_indices, req_to_token, full_to_state), args, seq_lens)
 
 
 def _plan_decode(entry, op, tables, args, seq_lens):
     """The kernel call allocates plan_d itself (torch's caching allocator, through tvm-ffi) where
     torch allows it (runtime.kernels_allocate), else fills one allocated here."""
-    device, on_gpu = _placement(tables[0], seq_lens)
+    device, on_gpu = _placement(tables, (seq_lens,))
     plan_d = None
     if not runtime.kernels_allocate():
         plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
     if not on_gpu:
         made = runtime.function("plan_host", entry, device)(*tables, seq_lens, plan_d, *args, runtime.checks_enabled())
     else:
-        status = runtime.status_word(device)
+        status = _plan_status(device)
         made = runtime.function("plan", entry, device)(*tables, seq_lens, plan_d, status, *args)
-        runtime.raise_status(status, op, _describe("plan", device))
+        _raise_status(status, op, device, tables[:_READS[entry]], seq_lens)
     return plan_d if made is None else made
 
 
+_PREFILL_TENSORS = ("req_pool_indices", "seq_lens", "extend_lens")
+_DECODE_TENSORS = ("req_pool_indices", "seq_lens")
+_PAGED_INTS = ("compress_ratio", "swa_page_size", "ring_size")
+
+
 def _check_copy(self, other, fields) -> None:
+    op = f"dsv4jit.{type(self).__name__}.copy_: argument 'other'"
     if type(other) is not type(self):
-        raise TypeError(f"copy_: expected a {type(self).__name__}, got {type(other).__name__}")
+        raise TypeError(f"{op} must be a {type(self).__name__}, got {type(other).__name__}")
     if other.compress_ratio != self.compress_ratio:
-        raise ValueError(f"copy_: compress_ratio must be {self.compress_ratio}, got {other.compress_ratio}")
+        raise ValueError(f"{op}: compress_ratio must be {self.compress_ratio}, got {other.compress_ratio}")
     for name in fields:
         mine, theirs = getattr(self, name), getattr(other, name)
         if mine.shape != theirs.shape:
-            raise ValueError(f"copy_: {name} must have shape {list(mine.shape)}, got {list(theirs.shape)}")
+            raise ValueError(f"{op}: {name} must have shape {list(mine.shape)}, got {list(theirs.shape)}")
 
 
 @dataclass
@@ -134,24 +164,37 @@ class CompressorDecodePlan:
     def generate(cls, compress_ratio: int, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                  full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
                  use_req_ring: bool = False) -> "CompressorDecodePlan":
-        plan_d = _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size,
-                         ring_size, use_req_ring, False)
+        try:
+            plan_d = _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size,
+                             ring_size, use_req_ring, False)
+        except (TypeError, AttributeError):
+            arguments.explain(_OP_DECODE, locals(), (*_DECODE_TENSORS, "req_to_token", "full_to_state"),
+                              int_names=_PAGED_INTS, flag_names=("use_req_ring",))
+            raise
         return cls(compress_ratio, plan_d)
 
     @classmethod
     def generate_legacy(cls, compress_ratio: int, req_pool_indices: torch.Tensor,
                         seq_lens: torch.Tensor) -> "CompressorDecodePlan":
         """Non-paged rings: c4 pages 2·rid and 2·rid+1, c128 page rid."""
-        plan_d = _decode(compress_ratio, req_pool_indices, None, None, seq_lens, 0, 0, False, True)
+        try:
+            plan_d = _decode(compress_ratio, req_pool_indices, None, None, seq_lens, 0, 0, False, True)
+        except (TypeError, AttributeError):
+            arguments.explain(_OP_DECODE + "_legacy", locals(), _DECODE_TENSORS, int_names=("compress_ratio",))
+            raise
         return cls(compress_ratio, plan_d)
 
     @classmethod
     def generate_online(cls, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                         state_slot_offset: int = 0) -> "CompressorDecodePlan":
-        """Online c128 (contract §3.8): row b = {seq_len, rid + offset, rid + offset, -1} (the state is
-        loaded and stored in place)."""
-        plan_d = _plan_decode("decode_online", _OP_DECODE + "_online", (req_pool_indices, req_to_token),
-                              (int(state_slot_offset),), seq_lens)
+        """Online c128 (contract §3.8): row b = {seq_len, rid + offset, rid + offset, -1} (state loaded and stored in place)."""
+        try:
+            plan_d = _plan_decode("decode_online", _OP_DECODE + "_online", (req_pool_indices, req_to_token),
+                                  (state_slot_offset,), seq_lens)
+        except (TypeError, AttributeError):
+            arguments.explain(_OP_DECODE + "_online", locals(), _DECODE_TENSORS, ("req_to_token",),
+                              int_names=("state_slot_offset",))
+            raise
         return cls(128, plan_d)
 
 
@@ -197,8 +240,14 @@ class CompressorPrefillPlan:
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
                  swa_page_size: int, ring_size: int, num_q_tokens: int, use_cuda_graph: bool = False,
                  use_req_ring: bool = False) -> "CompressorPrefillPlan":
-        plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state,
-                                  swa_page_size, ring_size, num_q_tokens, use_cuda_graph, use_req_ring, False)
+        try:
+            plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token,
+                                      full_to_state, swa_page_size, ring_size, num_q_tokens, use_cuda_graph,
+                                      use_req_ring, False)
+        except (TypeError, AttributeError):
+            arguments.explain(_OP_PREFILL, locals(), (*_PREFILL_TENSORS, "req_to_token", "full_to_state"),
+                              int_names=(*_PAGED_INTS, "num_q_tokens"), flag_names=("use_cuda_graph", "use_req_ring"))
+            raise
         return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
 
     @classmethod
@@ -206,10 +255,15 @@ class CompressorPrefillPlan:
                         extend_lens: torch.Tensor, num_q_tokens: int, device=None,
                         use_cuda_graph: bool = False) -> "CompressorPrefillPlan":
         """Non-paged rings; plans go to `device` (default: where req_pool_indices lives)."""
-        if device is not None and torch.device(device) != req_pool_indices.device:
-            req_pool_indices = req_pool_indices.to(device)
-        plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, None, None, 0, 0,
-                                  num_q_tokens, use_cuda_graph, False, True)
+        try:
+            if device is not None and torch.device(device) != req_pool_indices.device:
+                req_pool_indices = req_pool_indices.to(device)
+            plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, None, None, 0, 0,
+                                      num_q_tokens, use_cuda_graph, False, True)
+        except (TypeError, AttributeError):
+            arguments.explain(_OP_PREFILL + "_legacy", locals(), _PREFILL_TENSORS,
+                              int_names=("compress_ratio", "num_q_tokens"), flag_names=("use_cuda_graph",))
+            raise
         return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
 
     @classmethod
@@ -219,7 +273,24 @@ class CompressorPrefillPlan:
         """Online c128 (contract §3.8): each request's extend range split at 128-chunk boundaries into segments;
         plan_c holds the segments that close a chunk, plan_w the trailing partial ones (both 16-byte
         CompressPlan rows: buffer_len = segment length, read_page_0 = rid + offset, read_page_1 = rid)."""
-        plan_c, plan_w = _plan_prefill("prefill_online", _OP_PREFILL + "_online", (req_pool_indices, req_to_token),
-                                       (int(state_slot_offset),), seq_lens, extend_lens, num_q_tokens,
-                                       use_cuda_graph, plan_layout.COMPRESS_PLAN_BYTES)
+        try:
+            plan_c, plan_w = _plan_prefill("prefill_online", _OP_PREFILL + "_online", (req_pool_indices, req_to_token),
+                                           (state_slot_offset,), seq_lens, extend_lens, num_q_tokens,
+                                           use_cuda_graph, plan_layout.COMPRESS_PLAN_BYTES)
+        except (TypeError, AttributeError):
+            arguments.explain(_OP_PREFILL + "_online", locals(), _PREFILL_TENSORS, ("req_to_token",),
+                              int_names=("num_q_tokens", "state_slot_offset"), flag_names=("use_cuda_graph",))
+            raise
         return cls(128, plan_c, plan_w, None, int(num_q_tokens))
+
+
+def as_plan(op: str, plan) -> CompressorPrefillPlan | CompressorDecodePlan:
+    """The plan an op was given, or the one its tuple form describes: (compress_ratio, plan_c,
+    plan_w, pin_buffer) for prefill, (compress_ratio, plan_d) for decode, as the reference API's."""
+    if isinstance(plan, (CompressorPrefillPlan, CompressorDecodePlan)):
+        return plan
+    if isinstance(plan, tuple) and len(plan) in (2, 4):
+        return CompressorDecodePlan(*plan) if len(plan) == 2 else CompressorPrefillPlan(*plan)
+    raise TypeError(f"dsv4jit.{op}: argument 'plan' must be a CompressorPrefillPlan or CompressorDecodePlan (or "
+                    f"the tuple (compress_ratio, plan_c, plan_w, pin_buffer) or (compress_ratio, plan_d)), "
+                    f"got {type(plan).__name__}")

@@ -17,10 +17,10 @@ from typing import Optional, Union
 
 import torch
 
-from . import env, runtime
+from . import arguments, env, runtime
 from .jit import build, loader
 from .jit.registry import Variant, unique
-from .jit.toolchain import Arch, toolchain
+from .jit.toolchain import Arch
 from .ops import _dtype_key, _store_format
 
 _OP = "warmup"
@@ -83,10 +83,19 @@ _REACH = {"plan": _plan, "compress": _compress, "store": _store, "fused": _fused
 
 def _target(device, arch: Optional[str]) -> Arch:
     if arch is not None:
-        return Arch.parse(arch)
+        try:
+            return Arch.parse(arch)
+        except (ValueError, AttributeError):
+            raise ValueError(f"dsv4jit.{_OP}: argument 'arch' must be a CUDA arch such as '9.0a' or 'sm_90a', "
+                             f"got {arch!r}") from None
     if device is None:  # DSV4JIT_CUDA_ARCH, else the current device (an error without either)
         return loader.arch_for(None)
-    return loader.arch_for(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+    try:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"dsv4jit.{_OP}: argument 'device' must be a torch device, a device string or a CUDA "
+                         f"device index, got {device!r}") from None
+    return loader.arch_for(device)
 
 
 def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = None,
@@ -99,10 +108,17 @@ def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = N
         raise ValueError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(_REACH)}")
     if arch.is_host:  # CPU tensors: compress and store run the torch references; only planning is compiled
         return [runtime.variant("plan_host", arch)] if "plan" in ops else []
-    dims = {int(r): tuple(int(hd) for hd in hds) for r, hds in (head_dims or MODEL_HEAD_DIMS).items()}
+    dims = {arguments.integer(_OP, "head_dims", r): tuple(arguments.integer(_OP, "head_dims", hd) for hd in hds)
+            for r, hds in (head_dims or MODEL_HEAD_DIMS).items()}
     cfg = _Config(dims, _dtype_key(state_dtype, "state_dtype", _OP), _dtype_key(input_dtype, "input_dtype", _OP),
-                  _dtype_key(output_dtype or input_dtype, "output_dtype", _OP), use_fp4, bf16_store)
-    return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in _REACH[op](cfg))
+                  _dtype_key(output_dtype or input_dtype, "output_dtype", _OP),
+                  arguments.flag(_OP, "use_fp4", use_fp4), arguments.flag(_OP, "bf16_store", bf16_store))
+    try:
+        return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in _REACH[op](cfg))
+    except ValueError as e:  # a head_dim no kernel has
+        if str(e).startswith("dsv4jit."):
+            raise
+        raise ValueError(f"dsv4jit.{_OP}: argument 'head_dims': {e}") from None
 
 
 def warmup(device: Union[torch.device, str, int, None] = None, *,
@@ -136,6 +152,8 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
     PDL follows the arch (sm_90+) and ``DSV4JIT_DISABLE_PDL``, as in the ops. With
     ``DSV4JIT_NO_COMPILE=1`` nothing compiles and a missing variant raises ``DSV4JITCacheMiss``.
     """
+    if jobs is not None:
+        jobs = arguments.integer(_OP, "jobs", jobs)
     target = _target(device, arch)
     todo = variants(target, head_dims=head_dims, state_dtype=state_dtype, input_dtype=input_dtype,
                     output_dtype=output_dtype, use_fp4=use_fp4, bf16_store=bf16_store, ops=ops)
@@ -154,8 +172,6 @@ def _build_missing(todo: list[Variant], arch: Arch, jobs: Optional[int]) -> None
     if not missing:
         return
 
-    tc = toolchain(need_cuda=not arch.is_host)
     with ThreadPoolExecutor(max_workers=jobs or build.default_jobs(len(missing))) as pool:
-        for _ in pool.map(lambda r: build.build(r.variant, arch, tc, r.info, r.command, "warmup",
-                                                loader._load_module), missing):
+        for _ in pool.map(lambda r: loader.build_resolved(r, "warmup"), missing):
             pass

@@ -20,7 +20,10 @@ _kernel_allocation: list[bool] = []  # resolved once, by kernels_allocate()
 
 def set_checks(enabled: bool | None) -> None:
     """Checked mode (data-dependent validation with a device sync); None re-reads DSV4JIT_CHECK."""
-    _checks[:] = [env.checks() if enabled is None else bool(enabled)]
+    if enabled is not None and type(enabled) is not bool:
+        raise TypeError(f"dsv4jit.set_checks: argument 'enabled' must be a bool or None, got "
+                        f"{type(enabled).__name__} {enabled!r}")
+    _checks[:] = [env.checks() if enabled is None else enabled]
 
 
 def checks_enabled() -> bool:

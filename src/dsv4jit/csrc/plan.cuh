@@ -46,7 +46,7 @@ struct PrefillParamsOf {
   bool pad;                       // write invalid rows from the totals up to the capacities
   const int64_t* seq_lens;        // device lengths (RequestTable<0> only)
   const int64_t* extend_lens;
-  int32_t* status;                // checked mode: OR of StatusBit, else nullptr
+  int32_t* status;                // checked mode: status words (see plan_status), else nullptr
 };
 using PrefillParams = PrefillParamsOf<WritePlan>;
 
@@ -59,6 +59,19 @@ struct DecodeParams {
   int32_t* status;
 };
 
+/// Checked mode's status words: [0] the OR of StatusBit, [2..3] the lowest violation_key (u64,
+/// 8-byte aligned; kNoViolation initially), merged once per thread that met a violation.
+DSV4_DEV void report(int32_t* words, int32_t status, uint64_t first) {
+  if (status == 0 || words == nullptr) return;
+  atomicOr(words, status);
+  atomicMin(reinterpret_cast<unsigned long long*>(words + 2), static_cast<unsigned long long>(first));
+}
+
+DSV4_DEV void note_request(int32_t& status, uint64_t& first, int32_t bit, uint32_t batch_id) {
+  status |= bit;
+  first = min(first, violation_key(batch_id, 0));
+}
+
 /// Shared-memory request table plus the facts every emitting thread needs.
 struct SharedTable {
   RequestEntry entries[kMaxDeviceBatch + 1];
@@ -68,7 +81,7 @@ struct SharedTable {
 
 /// Builds the table from device lengths: closed-form counts per request, block-wide prefix sums.
 template <typename Params>
-DSV4_DEV int32_t build_table_on_device(const Params& p, SharedTable& s) {
+DSV4_DEV int32_t build_table_on_device(const Params& p, SharedTable& s, uint64_t& first_violation) {
   constexpr int kPerThread = (kMaxDeviceBatch + kThreads - 1) / kThreads;
   const uint32_t first = threadIdx.x * kPerThread;
   uint32_t ext[kPerThread], cnt_c[kPerThread], cnt_w[kPerThread];
@@ -88,8 +101,11 @@ DSV4_DEV int32_t build_table_on_device(const Params& p, SharedTable& s) {
         ext[i] = static_cast<uint32_t>(el);
         cnt_c[i] = span.num_events(p.g);
         cnt_w[i] = span.num_writes(p.g);
+        if (p.tables.r2t_rows >= 0 && sl > p.tables.r2t_cols) {
+          note_request(status, first_violation, kReqToTokenOutOfRange, b);
+        }
       } else {
-        status |= kBadLengths;  // contributes no tokens and no rows
+        note_request(status, first_violation, kBadLengths, b);  // contributes no tokens and no rows
       }
     }
     sum_e += ext[i];
@@ -149,8 +165,9 @@ __global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant
   __shared__ SharedTable s;
   pdl_wait_upstream<kPDL>();  // lengths and lookup tables may come from the previous kernel
   int32_t status = 0;
+  uint64_t first = kNoViolation;
   if constexpr (kMaxRequests == 0) {
-    status |= build_table_on_device(p, s);
+    status |= build_table_on_device(p, s, first);
   } else {
     copy_table(table, p.num_requests, s);
   }
@@ -158,6 +175,7 @@ __global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant
   const RequestEntry totals = s.entries[n];
   Tables tables = p.tables;
   tables.status = &status;
+  tables.first = &first;
   const uint32_t token_end = min(totals.ragged_base, p.max_tokens);
   uint32_t pad_c = totals.row_c, pad_w = totals.row_w;
   if (totals.ragged_base > p.max_tokens && n > 0) {
@@ -187,7 +205,7 @@ __global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant
       if (i >= pad_w && i < p.cap_w) p.plan_w[i] = WriteRow::invalid();
     }
   }
-  if (status != 0 && p.status != nullptr) atomicOr(p.status, status);
+  report(p.status, status, first);
   pdl_launch_dependents<kPDL>();
 }
 
@@ -196,15 +214,49 @@ __global__ __launch_bounds__(kThreads) void decode_kernel(const __grid_constant_
   pdl_wait_upstream<kPDL>();
   const uint32_t b = blockIdx.x * kThreads + threadIdx.x;
   int32_t status = 0;
+  uint64_t first = kNoViolation;
   if (b < p.batch_size) {
     Tables tables = p.tables;
     tables.status = &status;
+    tables.first = &first;
     const int64_t seq_len = p.seq_lens[b];
-    if (seq_len < 1 || seq_len > INT32_MAX) status |= kBadLengths;
+    if (seq_len < 1 || seq_len > INT32_MAX) {
+      note_request(status, first, kBadLengths, b);
+    } else if (p.tables.r2t_rows >= 0 && seq_len > p.tables.r2t_cols) {
+      note_request(status, first, kReqToTokenOutOfRange, b);
+    }
     p.plan_d[b] = decode_row(p.g, tables, b, static_cast<int32_t>(seq_len));
   }
-  if (status != 0 && p.status != nullptr) atomicOr(p.status, status);
+  report(p.status, status, first);
   pdl_launch_dependents<kPDL>();
+}
+
+/// Checked mode's status words of a planner launch (see report), or nullptr.
+inline int32_t* plan_status(const char* op, Device& dev, const Optional<TensorView>& status) {
+  if (status.has_value()) Check(op, "status", status.value()).aligned(8);
+  return status_words(op, dev, status, 4);
+}
+
+/// One element of a planner input, on the device or the host (checked mode's error path only).
+struct CopyOne {
+  template <typename T>
+  T operator()(const T* p) const {
+    T value;
+    check_cuda("describe_status", cudaMemcpy(&value, p, sizeof value, cudaMemcpyDefault), "copy");
+    return value;
+  }
+};
+
+/// Checked mode's message for a planner call's status words (a CPU copy, int32[4]): the first
+/// violation by argument, index and value (read from the call's inputs), then the other findings.
+inline tvm::ffi::String describe_status(TensorView status, TensorView req_pool_indices,
+                                        Optional<TensorView> req_to_token, Optional<TensorView> full_to_state,
+                                        TensorView seq_lens, Optional<TensorView> extend_lens) {
+  Check("describe_status", "status", status).shape({4}).dtype(dl::kI32).cpu().contiguous();
+  const auto* ext = extend_lens.has_value() ? static_cast<const int64_t*>(extend_lens.value().data_ptr()) : nullptr;
+  return tvm::ffi::String(describe_status_words(static_cast<const int32_t*>(status.data_ptr()),
+                                                tables_of(req_pool_indices, req_to_token, full_to_state),
+                                                static_cast<const int64_t*>(seq_lens.data_ptr()), ext, CopyOne{}));
 }
 
 template <bool kPDL>
@@ -215,7 +267,7 @@ struct Planner {
                              Optional<TensorView> full_to_state, TensorView seq_lens, TensorView extend_lens,
                              TensorView plan_c, TensorView plan_w, Optional<TensorView> status, int64_t compress_ratio,
                              int64_t swa_page_size, int64_t ring_size, bool use_req_ring, bool legacy) {
-    const char* op = "plan_prefill";
+    const char* op = prefill_op(legacy);
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
     Size batch{"batch_size"};
     Device dev;
@@ -227,7 +279,7 @@ struct Planner {
   static void prefill_online_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                     TensorView seq_lens, TensorView extend_lens, TensorView plan_c, TensorView plan_w,
                                     Optional<TensorView> status, int64_t state_slot_offset) {
-    const char* op = "plan_prefill_online";
+    const char* op = kPrefillOnlineOp;
     const Geometry g = checked_online_geometry(op, state_slot_offset);
     Size batch{"batch_size"};
     Device dev;
@@ -259,7 +311,7 @@ struct Planner {
     p.pad = true;
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.extend_lens = static_cast<const int64_t*>(extend_lens.data_ptr());
-    p.status = status_words(op, dev, status);
+    p.status = plan_status(op, dev, status);
     launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0, WriteRow>,
            p, RequestTable<0>{});
   }
@@ -272,7 +324,7 @@ struct Planner {
                                    TensorView plan_c, TensorView plan_w, Optional<TensorView> status,
                                    int64_t num_q_tokens, int64_t compress_ratio, int64_t swa_page_size,
                                    int64_t ring_size, bool use_req_ring, bool legacy, bool use_cuda_graph) {
-    const char* op = "plan_prefill";
+    const char* op = prefill_op(legacy);
     HostPrefill h = checked_host_prefill(op, req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
                                          plan_c, plan_w, num_q_tokens, compress_ratio, swa_page_size, ring_size,
                                          use_req_ring, legacy, use_cuda_graph, true);
@@ -284,7 +336,7 @@ struct Planner {
                                           TensorView seq_lens, TensorView extend_lens, TensorView plan_c,
                                           TensorView plan_w, Optional<TensorView> status, int64_t num_q_tokens,
                                           int64_t state_slot_offset, bool use_cuda_graph) {
-    const char* op = "plan_prefill_online";
+    const char* op = kPrefillOnlineOp;
     HostPrefillOf<CompressPlan> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
                                                                 extend_lens, plan_c, plan_w, num_q_tokens,
                                                                 state_slot_offset, use_cuda_graph, true);
@@ -302,7 +354,7 @@ struct Planner {
     p.cap_c = h.cap_c;
     p.cap_w = h.cap_w;
     p.max_tokens = static_cast<uint32_t>(num_q_tokens);
-    p.status = status_words(op, h.dev, status);
+    p.status = plan_status(op, h.dev, status);
     uint32_t b0 = 0;
     do {  // at least once, so that padding happens even for an empty batch
       const uint32_t n = std::min<uint32_t>(h.batch - b0, kMaxDeviceBatch);
@@ -344,7 +396,7 @@ struct Planner {
                                  Optional<TensorView> full_to_state, TensorView seq_lens, Optional<TensorView> plan_d,
                                  Optional<TensorView> status, int64_t compress_ratio, int64_t swa_page_size,
                                  int64_t ring_size, bool use_req_ring, bool legacy) {
-    const char* op = "plan_decode";
+    const char* op = decode_op(legacy);
     const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
     Size batch{"batch_size"};
     Device dev;
@@ -356,7 +408,7 @@ struct Planner {
   static Optional<Tensor> decode_online(TensorView req_pool_indices, Optional<TensorView> req_to_token,
                                         TensorView seq_lens, Optional<TensorView> plan_d, Optional<TensorView> status,
                                         int64_t state_slot_offset) {
-    const char* op = "plan_decode_online";
+    const char* op = kDecodeOnlineOp;
     const Geometry g = checked_online_geometry(op, state_slot_offset);
     Size batch{"batch_size"};
     Device dev;
@@ -375,7 +427,7 @@ struct Planner {
     p.plan_d = static_cast<DecodePlan*>(out.data);
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.batch_size = static_cast<uint32_t>(batch.value);
-    p.status = status_words(op, dev, status);
+    p.status = plan_status(op, dev, status);
     launch(op, dev.dev, {div_ceil(p.batch_size, kThreads), kThreads}, kPDL, decode_kernel<kPDL>, p);
     return out.owned;
   }

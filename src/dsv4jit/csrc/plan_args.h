@@ -1,6 +1,7 @@
 // Host-side argument handling shared by the GPU planner entry points and the host-only
-// (CPU-resident) planner: scalar limits, lookup tables, and the request table built from
-// host-resident lengths. Host-only: compiles without CUDA headers.
+// (CPU-resident) planner: scalar limits, lookup tables, the request table built from
+// host-resident lengths, and the description of a violation by argument, index and value.
+// Host-only: compiles without CUDA headers.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -9,6 +10,8 @@
 #include <tvm/ffi/string.h>
 
 #include <cstdint>
+#include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,25 @@ using tvm::ffi::TensorView;
 inline constexpr int64_t kMaxTokens = 65536;         // ragged ids are u16
 inline constexpr int64_t kMaxBatch = 65535;          // pack(65535, 65535) would alias the sentinel
 inline constexpr int64_t kMaxDeviceBatch = 1024;     // GPU-input prefill: one request table per block
+
+/// The public function a planner entry point serves (errors name it, not the entry point).
+inline const char* prefill_op(bool legacy) {
+  return legacy ? "CompressorPrefillPlan.generate_legacy" : "CompressorPrefillPlan.generate";
+}
+inline const char* decode_op(bool legacy) {
+  return legacy ? "CompressorDecodePlan.generate_legacy" : "CompressorDecodePlan.generate";
+}
+inline constexpr const char* kPrefillOnlineOp = "CompressorPrefillPlan.generate_online";
+inline constexpr const char* kDecodeOnlineOp = "CompressorDecodePlan.generate_online";
+
+/// ValueError "dsv4jit.<op>: argument '<name>': entry <index> must be <expectation>, got <actual>".
+template <typename T>
+[[noreturn]] inline void bad_entry(const char* op, const char* name, const std::string& index,
+                                   const std::string& expectation, const T& actual) {
+  TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "': entry " << index << " must be "
+                            << expectation << ", got " << actual;
+  __builtin_unreachable();
+}
 
 /// Validates the planner scalars (contract §8.2) and derives the geometry.
 inline Geometry checked_geometry(const char* op, int64_t ratio, int64_t swa_page_size, int64_t ring_size,
@@ -42,6 +64,27 @@ inline Geometry checked_geometry(const char* op, int64_t ratio, int64_t swa_page
                        legacy);
 }
 
+/// The lookup tables of already checked tensors (status unset); no req_to_token: r2t_rows = -1.
+inline Tables tables_of(const TensorView& req_pool_indices, const Optional<TensorView>& req_to_token,
+                        const Optional<TensorView>& full_to_state) {
+  Tables t{};
+  t.req_pool_indices = static_cast<const int64_t*>(req_pool_indices.data_ptr());
+  t.r2t_rows = -1;
+  t.keyed = ~0;
+  if (req_to_token.has_value()) {
+    const TensorView& r2t = req_to_token.value();
+    t.req_to_token = static_cast<const int32_t*>(r2t.data_ptr());
+    t.r2t_rows = r2t.size(0);
+    t.r2t_cols = r2t.size(1);
+    t.r2t_stride = r2t.stride(0);
+  }
+  if (full_to_state.has_value()) {
+    t.full_to_state = static_cast<const int64_t*>(full_to_state.value().data_ptr());
+    t.f2s_len = full_to_state.value().size(0);
+  }
+  return t;
+}
+
 /// Checks req_pool_indices [B] i64, and (paged scheme) req_to_token [R, C] i32 with unit column
 /// stride and full_to_state [N] i64; all on `dev`. Returns the lookup tables (status unset).
 inline Tables checked_tables(const char* op, const Geometry& g, const TensorView& req_pool_indices,
@@ -52,9 +95,9 @@ inline Tables checked_tables(const char* op, const Geometry& g, const TensorView
     Check c(op, "req_pool_indices", req_pool_indices);
     place(c.shape({batch}).dtype(dl::kI64)).contiguous();
   }
-  Tables t{};
-  t.req_pool_indices = static_cast<const int64_t*>(req_pool_indices.data_ptr());
-  if (g.scheme == Scheme::kLegacy || g.scheme == Scheme::kOnline) return t;
+  if (g.scheme == Scheme::kLegacy || g.scheme == Scheme::kOnline) {
+    return tables_of(req_pool_indices, Optional<TensorView>(), Optional<TensorView>());
+  }
   if (!req_to_token.has_value() || !full_to_state.has_value()) {
     TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": req_to_token and full_to_state are required (got None)";
   }
@@ -69,13 +112,7 @@ inline Tables checked_tables(const char* op, const Geometry& g, const TensorView
     Check c(op, "full_to_state", f2s);
     place(c.shape({Dim::any()}).dtype(dl::kI64)).contiguous();
   }
-  t.req_to_token = static_cast<const int32_t*>(r2t.data_ptr());
-  t.full_to_state = static_cast<const int64_t*>(f2s.data_ptr());
-  t.r2t_rows = r2t.size(0);
-  t.r2t_cols = r2t.size(1);
-  t.r2t_stride = r2t.stride(0);
-  t.f2s_len = f2s.size(0);
-  return t;
+  return tables_of(req_pool_indices, req_to_token, full_to_state);
 }
 
 /// A plan tensor [rows, row_bytes] u8, contiguous, 16-byte aligned.
@@ -120,10 +157,29 @@ struct Totals {
   int64_t packed() const { return static_cast<int64_t>((uint64_t{num_c} << 32) | num_w); }
 };
 
-/// Request table from host-resident lengths (entry B holds the totals), validating every request.
+/// Lengths that fail valid_lengths: which of the two is wrong, and how.
+[[noreturn]] inline void bad_lengths(const char* op, int64_t b, int64_t seq_len, int64_t extend_len) {
+  const std::string bs = std::to_string(b);
+  if (seq_len > INT32_MAX) bad_entry(op, "seq_lens", bs, "below 2^31", seq_len);
+  bad_entry(op, "extend_lens", bs, "in [1, seq_lens[" + bs + "] = " + std::to_string(seq_len) + "]", extend_len);
+}
+
+/// The limit req_to_token puts on seq_lens: its columns (-1: no req_to_token).
+inline int64_t max_seq_len(const Tables& t) { return t.r2t_rows >= 0 ? t.r2t_cols : -1; }
+
+/// Host-resident seq_lens[b] against req_to_token's columns (positions 0 .. seq_len - 1 are its).
+inline void check_seq_len_fits(const char* op, int64_t b, int64_t seq_len, int64_t max_seq) {
+  if (max_seq >= 0 && seq_len > max_seq) {
+    bad_entry(op, "seq_lens", std::to_string(b), "at most " + std::to_string(max_seq) + " (the columns of req_to_token)",
+              seq_len);
+  }
+}
+
+/// Request table from host-resident lengths (entry B holds the totals), validating every request
+/// (`max_seq`: see max_seq_len).
 inline Totals build_request_table(const char* op, const Geometry& g, const TensorView& seq_lens,
                                   const TensorView& extend_lens, Size& batch, int64_t num_q_tokens,
-                                  std::vector<RequestEntry>& table) {
+                                  std::vector<RequestEntry>& table, int64_t max_seq = -1) {
   Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cpu().contiguous();
   Check(op, "extend_lens", extend_lens).shape({batch}).dtype(dl::kI64).cpu().contiguous();
   const int64_t B = batch.value;
@@ -137,10 +193,8 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
   uint64_t tokens = 0;
   Totals totals;
   for (int64_t b = 0; b < B; ++b) {
-    if (!valid_lengths(seq[b], ext[b])) {
-      TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": request " << b << " must have 0 < extend_len <= seq_len, got "
-                                << "extend_lens[" << b << "] = " << ext[b] << ", seq_lens[" << b << "] = " << seq[b];
-    }
+    if (!valid_lengths(seq[b], ext[b])) bad_lengths(op, b, seq[b], ext[b]);
+    check_seq_len_fits(op, b, seq[b], max_seq);
     const Span span = Span::of(g, static_cast<int32_t>(seq[b]), static_cast<int32_t>(ext[b]));
     table[b] = {span.seq_len, static_cast<uint32_t>(tokens), totals.num_c, totals.num_w};
     tokens += static_cast<uint64_t>(ext[b]);
@@ -178,7 +232,8 @@ inline void check_host_lengths(const char* op, HostPrefillOf<WriteRow>& h, Size&
                                const TensorView& extend_lens, const TensorView& plan_c, const TensorView& plan_w,
                                int64_t num_q_tokens, bool use_cuda_graph, bool on_cuda) {
   Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-  const Totals totals = build_request_table(op, h.g, seq_lens, extend_lens, batch, num_q_tokens, h.table);
+  const Totals totals =
+      build_request_table(op, h.g, seq_lens, extend_lens, batch, num_q_tokens, h.table, max_seq_len(h.tables));
   check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(CompressPlan), h.dev, on_cuda);
   check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WriteRow), h.dev, on_cuda);
   const int64_t cap_c = use_cuda_graph ? num_q_tokens : totals.num_c;
@@ -214,7 +269,7 @@ inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_po
 inline int64_t prefill_counts(TensorView seq_lens, TensorView extend_lens, int64_t num_q_tokens,
                               int64_t compress_ratio, int64_t swa_page_size, int64_t ring_size, bool use_req_ring,
                               bool legacy) {
-  const char* op = "plan_prefill";
+  const char* op = prefill_op(legacy);
   const Geometry g = checked_geometry(op, compress_ratio, swa_page_size, ring_size, use_req_ring, legacy);
   Size batch{"batch_size"};
   std::vector<RequestEntry> table;
@@ -222,8 +277,8 @@ inline int64_t prefill_counts(TensorView seq_lens, TensorView extend_lens, int64
   return totals.packed();
 }
 
-/// Message for checked mode (status bits reported by the planner).
-inline tvm::ffi::String describe_status(int64_t status) {
+/// Text of the status bits (those a violation description does not cover, or all of them).
+inline std::string describe_bits(int32_t status) {
   std::string s;
   auto add = [&](int32_t bit, const char* what) {
     if (status & bit) s += (s.empty() ? "" : "; ") + std::string(what);
@@ -233,7 +288,82 @@ inline tvm::ffi::String describe_status(int64_t status) {
   add(kReqToTokenOutOfRange, "a req_to_token lookup is out of range (req_pool_indices or position)");
   add(kFullToStateOutOfRange, "a full_to_state lookup is out of range (req_to_token holds a bad slot)");
   add(kNegativeStateSlot, "full_to_state maps a needed token to a negative state slot (evicted?)");
-  return tvm::ffi::String(s);
+  return s;
+}
+
+/// The violation at `key` (violation_key: request b, position) by argument, index and value, found
+/// by examining the inputs there in the order the planner uses them. `read(p)` loads the element
+/// at p (host memory, or a copy from the device); `extend_lens` is null for decode plans.
+template <typename Read>
+std::string describe_violation(const Tables& t, const int64_t* seq_lens, const int64_t* extend_lens, uint64_t key,
+                               const Read& read) {
+  const uint32_t b = static_cast<uint32_t>(key >> 32);
+  const int32_t pos = static_cast<int32_t>(static_cast<uint32_t>(key));
+  std::ostringstream os;
+  auto entry = [&](const char* name, const std::string& index, const std::string& expectation, auto actual) {
+    os << "argument '" << name << "': entry " << index << " must be " << expectation << ", got " << actual;
+    return os.str();
+  };
+  const std::string bs = std::to_string(b);
+  const int64_t rid = read(t.req_pool_indices + b);
+  if (rid < 0 || (t.r2t_rows >= 0 && rid >= t.r2t_rows)) {
+    return entry("req_pool_indices", bs,
+                 t.r2t_rows >= 0 ? "a row of req_to_token (in [0, " + std::to_string(t.r2t_rows) + "))" : ">= 0", rid);
+  }
+  const int64_t seq = read(seq_lens + b);
+  if (extend_lens != nullptr) {
+    const int64_t ext = read(extend_lens + b);
+    if (seq > INT32_MAX) return entry("seq_lens", bs, "below 2^31", seq);
+    if (!valid_lengths(seq, ext)) {
+      return entry("extend_lens", bs, "in [1, seq_lens[" + bs + "] = " + std::to_string(seq) + "]", ext);
+    }
+  } else if (seq < 1 || seq > INT32_MAX) {
+    return entry("seq_lens", bs, "in [1, 2^31)", seq);
+  }
+  if (t.r2t_rows >= 0 && seq > t.r2t_cols) {
+    return entry("seq_lens", bs, "at most " + std::to_string(t.r2t_cols) + " (the columns of req_to_token)", seq);
+  }
+  if (t.full_to_state == nullptr || pos < 0 || pos >= t.r2t_cols) return "";
+  const std::string at = "[" + std::to_string(rid) + ", " + std::to_string(pos) + "]";
+  const int32_t full = read(t.req_to_token + rid * t.r2t_stride + pos);
+  if (full < 0 || full >= t.f2s_len) {
+    return entry("req_to_token", at + " (request " + bs + ", position " + std::to_string(pos) + ")",
+                 "an index of full_to_state (in [0, " + std::to_string(t.f2s_len) + "))", full);
+  }
+  const int64_t swa = read(t.full_to_state + full);
+  if (static_cast<int32_t>(swa) < 0) {
+    return entry("full_to_state", std::to_string(full) + " (req_to_token" + at + ", request " + bs + ")",
+                 "a state slot (>= 0): the plan reads or writes that token", swa);
+  }
+  return "";
+}
+
+/// The message of a planner call's status: the first violation by argument, index and value, then
+/// what the bits report beyond it. `words`: the status bits and, at words + 2, the first key.
+template <typename Read>
+std::string describe_status_words(const int32_t* words, const Tables& t, const int64_t* seq_lens,
+                                  const int64_t* extend_lens, const Read& read) {
+  uint64_t key;
+  std::memcpy(&key, words + 2, sizeof key);
+  const std::string first = key == kNoViolation ? "" : describe_violation(t, seq_lens, extend_lens, key, read);
+  const int32_t rest = first.empty() ? words[0] : words[0] & kTokensDropped;
+  const std::string bits = describe_bits(rest);
+  return first + (first.empty() || bits.empty() ? "" : "; ") + bits;
+}
+
+/// The violations the host planner raises on: every one, except a negative state slot outside
+/// checked mode (full_to_state marks evicted slots -1, and C-style arithmetic then gives row -1,
+/// which the consumers skip: contract §9.11). Set as Tables::keyed before emitting.
+inline int32_t host_reported(bool checked) { return checked ? ~0 : ~kNegativeStateSlot; }
+
+/// The host planner's check after emitting: the violations of host-resident inputs it reports raise.
+inline void raise_host_violation(const char* op, int32_t status, uint64_t first, const Tables& t,
+                                 const int64_t* seq_lens, const int64_t* extend_lens) {
+  status &= t.keyed;
+  if (status == 0) return;
+  const int32_t words[4] = {status, 0, static_cast<int32_t>(first), static_cast<int32_t>(first >> 32)};
+  TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": "
+                            << describe_status_words(words, t, seq_lens, extend_lens, [](const auto* p) { return *p; });
 }
 
 }  // namespace dsv4::plan

@@ -53,7 +53,7 @@ inline HostPrefillOf<CompressPlan> checked_online_host_prefill(const char* op, c
 /// (Totals::packed).
 inline int64_t prefill_online_counts(TensorView seq_lens, TensorView extend_lens, int64_t num_q_tokens,
                                      int64_t state_slot_offset) {
-  const char* op = "plan_prefill_online";
+  const char* op = kPrefillOnlineOp;
   const Geometry g = checked_online_geometry(op, state_slot_offset);
   Size batch{"batch_size"};
   std::vector<RequestEntry> table;

@@ -22,14 +22,24 @@ enum class Scheme : int32_t {
   kOnline = 3,       // online c128 (contract §5): one running-state row per request, rid + slot_offset
 };
 
-/// Status bits reported to checked mode (never read in default mode).
+/// Status bits of a planner call. Device-resident inputs report them to checked mode only; the
+/// host planner raises on any of them.
 enum StatusBit : int32_t {
   kTokensDropped = 1,       // more tokens or rows than the plan tensors hold
   kBadLengths = 2,          // extend_len <= 0, extend_len > seq_len, or seq_len < 1
-  kReqToTokenOutOfRange = 4,
+  kReqToTokenOutOfRange = 4,  // a request slot outside req_to_token's rows, or a position beyond its columns
   kFullToStateOutOfRange = 8,
   kNegativeStateSlot = 16,
 };
+
+/// Where a violation was met: (batch id << 32 | position), so the lowest key is the first request's
+/// first offending position. Kept with the status bits (the minimum over all threads) and used to
+/// report the offending argument, index and value; kNoViolation when there is none.
+inline constexpr uint64_t kNoViolation = ~uint64_t{0};
+
+DSV4_HD uint64_t violation_key(uint32_t batch_id, int32_t pos) {
+  return (uint64_t{batch_id} << 32) | static_cast<uint32_t>(pos);
+}
 
 struct Geometry {
   int32_t ratio;          // R: 4 or 128
@@ -127,10 +137,10 @@ DSV4_HD bool valid_lengths(int64_t seq_len, int64_t extend_len) {
 /// State-row addressing. `Lookup` supplies rid = req_pool_indices[b] and, for the paged scheme,
 /// the SWA slot of (rid, pos) (bounds-checked; -1 when out of range), reporting status bits.
 template <typename Lookup>
-DSV4_HD int32_t state_row(const Geometry& g, const Lookup& lookup, int64_t rid, int32_t pos) {
+DSV4_HD int32_t state_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int64_t rid, int32_t pos) {
   switch (g.scheme) {
     case Scheme::kPagedSwa: {
-      const int32_t swa = lookup.swa_slot(rid, pos);  // narrowed to i32 (C-style, as the pools store it)
+      const int32_t swa = lookup.swa_slot(batch_id, rid, pos);  // narrowed to i32 (C-style, as the pools store it)
       return swa / g.swa_page_size * g.ring_size + swa % g.ring_size;
     }
     case Scheme::kRequestRing:
@@ -144,8 +154,8 @@ DSV4_HD int32_t state_row(const Geometry& g, const Lookup& lookup, int64_t rid, 
 }
 
 template <typename Lookup>
-DSV4_HD int32_t state_page(const Geometry& g, const Lookup& lookup, int64_t rid, int32_t pos) {
-  return state_row(g, lookup, rid, pos) / g.ratio;
+DSV4_HD int32_t state_page(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int64_t rid, int32_t pos) {
+  return state_row(g, lookup, batch_id, rid, pos) / g.ratio;
 }
 
 /// The compress row of the event closing at `pos` (j = pos - prefix_len, rg its ragged id).
@@ -161,8 +171,8 @@ DSV4_HD CompressPlan compress_row(const Geometry& g, const Lookup& lookup, uint3
   // Without buffered slots the pages are never read, and the paged planners leave them as is.
   if (row.buffer_len > 0 || g.translate_all) {
     const int64_t rid = lookup.rid(batch_id);
-    row.read_page_0 = state_page(g, lookup, rid, imax(pos - g.ratio, 0));
-    row.read_page_1 = state_page(g, lookup, rid, pos);
+    row.read_page_0 = state_page(g, lookup, batch_id, rid, imax(pos - g.ratio, 0));
+    row.read_page_1 = state_page(g, lookup, batch_id, rid, pos);
   }
   return row;
 }
@@ -205,7 +215,7 @@ DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& 
       if constexpr (kOnline) {
         plan_w[idx] = segment_row(g, lookup, batch_id, pos, j, rg);
       } else {
-        plan_w[idx] = WritePlan{rg, state_row(g, lookup, lookup.rid(batch_id), pos)};
+        plan_w[idx] = WritePlan{rg, state_row(g, lookup, batch_id, lookup.rid(batch_id), pos)};
       }
     } else {
       status |= kTokensDropped;
@@ -223,36 +233,49 @@ DSV4_HD DecodePlan decode_row(const Geometry& g, const Lookup& lookup, uint32_t 
     return DecodePlan{static_cast<uint32_t>(seq_len), slot, slot, -1};
   }
   const int32_t p1 = seq_len - 1;
-  const int32_t write_loc = state_row(g, lookup, rid, p1);
-  return DecodePlan{static_cast<uint32_t>(seq_len), write_loc, state_page(g, lookup, rid, imax(p1 - g.ratio, 0)),
-                    write_loc / g.ratio};
+  const int32_t write_loc = state_row(g, lookup, batch_id, rid, p1);
+  return DecodePlan{static_cast<uint32_t>(seq_len), write_loc,
+                    state_page(g, lookup, batch_id, rid, imax(p1 - g.ratio, 0)), write_loc / g.ratio};
 }
 
-/// Table lookups shared by host and device: bounds-checked, reporting status bits.
+/// Table lookups shared by host and device: bounds-checked, reporting status bits and where.
 struct Tables {
   const int64_t* req_pool_indices;
-  const int32_t* req_to_token;  // [num_reqs, r2t_stride] (row stride in elements)
-  const int64_t* full_to_state;
-  int64_t r2t_rows;
+  const int32_t* req_to_token;  // [num_reqs, r2t_stride] (row stride in elements); may be null
+  const int64_t* full_to_state;  // null where the scheme reads none
+  int64_t r2t_rows;  // -1 without req_to_token: request slots must then only be >= 0
   int64_t r2t_cols;
   int64_t r2t_stride;
   int64_t f2s_len;
   int32_t* status;  // status bits (local to the calling thread; merged by the caller)
+  uint64_t* first;  // lowest violation_key met among the `keyed` bits (likewise)
+  int32_t keyed;    // the bits whose violations are reported (and so located)
 
-  DSV4_HD int64_t rid(uint32_t batch_id) const { return req_pool_indices[batch_id]; }
+  DSV4_HD void note(int32_t bit, uint32_t batch_id, int32_t pos) const {
+    *status |= bit;
+    const uint64_t key = violation_key(batch_id, pos);
+    if ((bit & keyed) && key < *first) *first = key;
+  }
 
-  DSV4_HD int32_t swa_slot(int64_t rid, int32_t pos) const {
+  /// req_pool_indices[b], a row of req_to_token when there is one.
+  DSV4_HD int64_t rid(uint32_t batch_id) const {
+    const int64_t r = req_pool_indices[batch_id];
+    if (r < 0 || (r2t_rows >= 0 && r >= r2t_rows)) note(kReqToTokenOutOfRange, batch_id, 0);
+    return r;
+  }
+
+  DSV4_HD int32_t swa_slot(uint32_t batch_id, int64_t rid, int32_t pos) const {
     if (rid < 0 || rid >= r2t_rows || pos < 0 || pos >= r2t_cols) {
-      *status |= kReqToTokenOutOfRange;
+      note(kReqToTokenOutOfRange, batch_id, pos);
       return -1;
     }
     const int32_t full = req_to_token[rid * r2t_stride + pos];
     if (full < 0 || full >= f2s_len) {
-      *status |= kFullToStateOutOfRange;
+      note(kFullToStateOutOfRange, batch_id, pos);
       return -1;
     }
     const int32_t swa = static_cast<int32_t>(full_to_state[full]);
-    if (swa < 0) *status |= kNegativeStateSlot;
+    if (swa < 0) note(kNegativeStateSlot, batch_id, pos);
     return swa;
   }
 };

@@ -1,10 +1,12 @@
 """Building one variant: the compile command, the per-key lock, staging and atomic publish.
 
 Protocol (never builds in place): take the per-key file lock, look again (another process may
-have published meanwhile), compile into ``.stage-*`` next to the entry, check the depfile against
-the scanned header closure, smoke-load the module, write the manifest last, then ``rename`` the
-stage into place. A builder killed at any point leaves only a stage folder, which the next builder
-of that key removes; readers never see a partial entry because they look for the manifest.
+have published meanwhile; a damaged entry is moved aside), compile into ``.stage-*`` next to the
+entry, check the depfile against the scanned header closure, smoke-load the module, write the
+manifest (with the module's size and sha256) last, then ``rename`` the stage into place. A builder
+killed at any point leaves only a stage folder, which the next builder of that key removes, and no
+compiler process (reaper.py); readers never see a partial entry because they look for the manifest
+and verify the module against it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import filelock
 
@@ -41,7 +44,13 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPE
 @dataclass(frozen=True)
 class Command:
     argv: list[str]  # run inside the stage folder
-    normalized: list[str]  # install locations replaced by tokens; enters the key
+    normalized: list[str]  # install locations replaced by tokens, after the env settings; enters the key
+    env: dict[str, str]  # settings the compiler reads from the environment (NVCC_APPEND_FLAGS, ...)
+
+    def shell(self) -> str:
+        """The command as one shell line, environment settings first (build.log, reproducers)."""
+        settings = [f"{name}={shlex.quote(value)}" for name, value in self.env.items()]
+        return " ".join(settings + [shlex.join(self.argv)])
 
 
 def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
@@ -63,6 +72,7 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
                 "--expt-relaxed-constexpr", arch.gencode(), f"-DDSV4JIT_CUDA_ARCH={arch.number}",
                 "--threads", "1", *extra, *env.extra_cuda_flags(), *deps, *includes,
                 "-o", "module.so", source, *link]
+    settings = {} if variant.spec.target == "host" else env.nvcc_flag_variables()
     tokens = [(str(cache.CSRC), "<pkg>"), (str(tvm["include"]), "<tvm_ffi>"), (str(tvm["dlpack"]), "<dlpack>"),
               (str(tvm["lib"]), "<tvm_ffi_lib>"), (str(tc.cxx), "<cxx>")]
     if tc.cuda_root is not None:
@@ -74,7 +84,8 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
             arg = arg.replace(path, token)
         return arg
 
-    return Command(argv, [normalize(a) for a in argv])
+    words = [f"{name}={value}" for name, value in settings.items()] + argv
+    return Command(argv, [normalize(a) for a in words], settings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,6 +122,8 @@ class KeyLock:
                         f"dsv4jit: gave up after {waited:.0f}s waiting for the build of {self.variant.id} "
                         f"held by {holder} (lock {self.path}; DSV4JIT_LOCK_TIMEOUT)") from None
                 log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.variant.id, holder, waited)
+            except OSError as e:  # the lock file cannot be created (checked after Timeout, an OSError too)
+                raise _cache_error(e, self.path.parent, lock_setting()) from e
         self.waited = time.monotonic() - start
         try:
             self.owner.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -194,7 +207,22 @@ def _check_depfile(variant: Variant, stage: Path, closure: dict[str, str]) -> No
                     variant.id, sorted(missed))
 
 
-def write_root() -> Path:
+def fix_command(variant: Variant, arch: Arch) -> str:
+    """The precompile line that builds this variant (the fix named by every "not in the cache" error)."""
+    target = "" if arch.is_host else f" --arch {arch.name}"
+    return f"python -m dsv4jit precompile{target} --set '{variant.id}'"
+
+
+def not_cached(variant: Variant, arch: Arch, key: str | None, why: str, fix: str,
+               damaged: Iterable[cache.Damaged] = ()) -> str:
+    """Why a variant cannot be had here: what was searched, what was found damaged, and the fix."""
+    found = "".join(f" (the entry at {d.entry} is damaged: {d.problem})" for d in damaged)
+    searched = ", ".join(str(r) for r in cache.roots())
+    return (f"dsv4jit: {variant.id} for {arch} is not in the kernel cache{found} and {why} "
+            f"(key {key or '(unknown: no toolchain)'}; searched {searched}). Fix: {fix}")
+
+
+def write_root(variant: Variant, arch: Arch, key: str) -> Path:
     """The write root, or a per-process temp root when it is not writable and the fallback allows."""
     root = env.cache_dir()
     if cache.is_writable_root(root):
@@ -204,9 +232,10 @@ def write_root() -> Path:
         log.warning("dsv4jit: cache dir %s is not writable; building into %s (DSV4JIT_CACHE_FALLBACK=tmp)",
                     root, fallback)
         return fallback
-    raise DSV4JITCacheError(
-        f"dsv4jit: the kernel cache dir {root} is not writable; set DSV4JIT_CACHE_DIR to a writable "
-        "folder, or DSV4JIT_CACHE_FALLBACK=tmp to build into a temporary folder")
+    raise DSV4JITCacheError(not_cached(
+        variant, arch, key, f"the kernel cache dir {root} is not writable",
+        "set DSV4JIT_CACHE_DIR to a writable folder, or DSV4JIT_CACHE_FALLBACK=tmp to build into a temporary "
+        f"folder, or precompile it into a cache this process searches (DSV4JIT_CACHE_PATH): {fix_command(variant, arch)}"))
 
 
 _TMP_ROOT: list[Path] = []
@@ -218,10 +247,22 @@ def _tmp_root() -> Path:
     return _TMP_ROOT[0]
 
 
+@dataclass(frozen=True)
+class Built:
+    """What `build` did. `compiled` is False when another process published the entry while this one
+    waited for the key lock; `module` is then that entry's."""
+
+    module: object
+    entry: Path
+    compiled: bool
+    waited: float  # seconds spent waiting for the key lock
+
+
 def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, command: Command, reason: str,
-          load_module) -> tuple[object, Path]:
-    """Build and publish under the per-key lock; returns (loaded module, entry folder)."""
-    root = write_root()
+          load_module, distrust: cache.Damaged | None = None) -> Built:
+    """Build and publish under the per-key lock. `distrust`: the entry of this key, which verified but
+    did not load here; it is moved aside and rebuilt like a damaged one."""
+    root = write_root(variant, arch, info.key)
     folder = cache.kernel_dir(root, arch, variant)
     entry = cache.entry_dir(root, arch, variant, info.key)
     try:
@@ -230,9 +271,19 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
     except OSError as e:
         raise _cache_error(e, folder) from e
     with lock:
-        if (entry / "manifest.json").is_file() and not env.force_rebuild():  # published while we waited
-            log.info("dsv4jit: %s for %s was built by another process (waited %.1fs)", variant.id, arch, lock.waited)
-            return load_module(entry / "module.so"), entry
+        if entry.is_dir() and not env.force_rebuild():
+            distrusted = distrust is not None and distrust.entry == entry
+            problem = distrust.problem if distrusted else cache.entry_problem(entry, info.key)
+            if problem is None:  # published by another process while this one waited
+                try:
+                    module = load_module(entry / "module.so")
+                except Exception as e:  # noqa: BLE001 - an entry that does not load is rebuilt once
+                    problem = f"it does not load: {e}"
+                else:
+                    log.info("dsv4jit: %s for %s was built by another process (waited %.1fs)", variant.id, arch,
+                             lock.waited)
+                    return Built(module, entry, False, lock.waited)
+            _set_aside(entry, variant, problem)
         _remove_dead_stages(folder, f"{variant.slug}-{info.key}")
         stage = folder / f".stage-{variant.slug}-{info.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -250,29 +301,60 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         log.info("dsv4jit: ... %s done in %.1fs -> %s", variant.id, seconds, entry)
-        return module, entry
+        return Built(module, entry, True, lock.waited)
+
+
+def _set_aside(entry: Path, variant: Variant, problem: str) -> None:
+    """Move a damaged entry out of the way (kept for inspection; `clean --stale` removes it)."""
+    aside = entry.with_name(f".bad-{entry.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(entry, aside)
+    except OSError as e:
+        raise _cache_error(e, entry.parent) from e
+    log.warning("dsv4jit: cached %s at %s is damaged (%s); moved it to %s and rebuilding", variant.id, entry,
+                problem, aside.name)
+
+
+#: Runs the compiler in a process group that dies with the builder (see reaper.py).
+REAPER = Path(__file__).with_name("reaper.py")
+
+
+def _run_compiler(command: Command, stage: Path) -> tuple[str, int | None]:
+    """The compiler's output and exit code (None: timed out), run in the stage under reaper.py;
+    build.log gets the command line and the output. If this process dies or this call is interrupted,
+    the compiler and every process it started are killed."""
+    log_file = stage / "build.log"
+    header = command.shell() + "\n\n"
+    with open(log_file, "w") as out:
+        out.write(header)
+        out.flush()
+        proc = subprocess.Popen([sys.executable, "-I", "-S", str(REAPER), *command.argv], cwd=stage,
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=env.build_timeout())
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            proc.stdin.close()  # end of file: the reaper kills the compiler's group if it still runs
+            proc.wait()
+        if code is None:
+            out.write(f"\ntimed out after {env.build_timeout():.0f}s (DSV4JIT_BUILD_TIMEOUT)\n")
+    return log_file.read_text(errors="replace")[len(header):], code
 
 
 def _compile_and_check(variant, arch, info, command, stage, root, load_module):
     start = time.monotonic()
     log.debug("dsv4jit: key document for %s: %s", variant.id, json.dumps(info.document, indent=1))
-    log.debug("dsv4jit: command: %s", shlex.join(command.argv))
+    log.debug("dsv4jit: command: %s", command.shell())
     try:
-        res = subprocess.run(command.argv, cwd=stage, capture_output=True, text=True, timeout=env.build_timeout())
-        output, code = (res.stdout or "") + (res.stderr or ""), res.returncode
-        if env.verbose_build():
-            sys.stderr.write(output)
-    except subprocess.TimeoutExpired as e:
-        output = (e.stdout or "") if isinstance(e.stdout, str) else ""
-        output += f"\ntimed out after {env.build_timeout():.0f}s (DSV4JIT_BUILD_TIMEOUT)"
-        code = -1
-    seconds = time.monotonic() - start
-    try:
-        (stage / "build.log").write_text(shlex.join(command.argv) + "\n\n" + output)
+        output, code = _run_compiler(command, stage)
     except OSError as e:
         raise _cache_error(e, stage.parent) from e
+    seconds = time.monotonic() - start
+    if env.verbose_build():
+        sys.stderr.write(output)
     if code != 0:
-        _fail(variant, arch, info, stage, root, command, _first_error(output, code))
+        _fail(variant, arch, info, stage, root, command, _first_error(output, -1 if code is None else code))
     _check_depfile(variant, stage, info.document["headers"])
     try:
         module = load_module(stage / "module.so")
@@ -291,7 +373,7 @@ def _fail(variant, arch, info, stage, root, command, first_error) -> None:
     for name in ("build.log", WRAPPER[variant.spec.target]):
         if (stage / name).exists():
             shutil.copy2(stage / name, failed / name)
-    repro = f"cd {shlex.quote(str(failed))} && {shlex.join(command.argv)}"
+    repro = f"cd {shlex.quote(str(failed))} && {command.shell()}"
     raise DSV4JITBuildError(variant.id, arch.name, first_error, str(failed / "build.log"), repro)
 
 
@@ -299,7 +381,7 @@ def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, ar
     manifest = {
         "key": info.key, "source_key": info.source_key, "variant": variant.id, "arch": arch.name,
         "document": info.document, "built_at": time.time(), "build_seconds": round(seconds, 3),
-        "size": (stage / "module.so").stat().st_size, "dsv4jit_version": __version__,
+        **cache.module_record(stage / "module.so"), "dsv4jit_version": __version__,
         "depfile": sorted(_depfile_paths(stage / "deps.d")),
     }
     for name in ("owner.json", "deps.d"):
@@ -317,10 +399,15 @@ def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, ar
         raise _cache_error(e, entry.parent) from e
 
 
-def _cache_error(e: OSError, where: Path) -> Exception:
+def lock_setting() -> str:
+    """The variable that moves the lock files."""
+    return "DSV4JIT_LOCK_DIR" if env.lock_dir() else "DSV4JIT_CACHE_DIR"
+
+
+def _cache_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") -> Exception:
     if e.errno in _DISK_ERRNOS:
         return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror}; "
-                                 "set DSV4JIT_CACHE_DIR to a writable folder with free space")
+                                 f"set {setting} to a writable folder with free space")
     return e
 
 

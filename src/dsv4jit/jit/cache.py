@@ -1,7 +1,8 @@
 """Cache keys, roots and entries.
 
 An entry lives at ``<root>/v<SCHEMA>/<arch>/<kernel>/<slug>-<key>/`` and holds ``module.so``,
-``manifest.json`` (written last: its presence marks a complete entry) and ``build.log``. The key is
+``manifest.json`` (written last: its presence marks a complete entry; it records the module's size
+and sha256, checked before every load) and ``build.log``. The key is
 a sha256 over a canonical JSON document: schema, variant id, generated wrapper text, digests of the
 in-package header closure, the normalised compile command, the arch, the compiler identity, the
 tvm-ffi version and include digest, and the platform. Install locations are replaced by tokens, so
@@ -143,25 +144,69 @@ def entry_dir(root: Path, arch: Arch, variant: Variant, key: str) -> Path:
     return kernel_dir(root, arch, variant) / f"{variant.slug}-{key}"
 
 
-def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: str | None = None) -> Path | None:
-    """First complete entry in the roots. With no toolchain (``info`` None) match on the source key."""
+@dataclass(frozen=True)
+class Damaged:
+    """A folder at an entry's path whose files do not match its manifest (never loaded)."""
+
+    entry: Path
+    problem: str
+
+
+def module_record(module: Path) -> dict:
+    """What a manifest records of ``module.so``, checked before every dlopen (see `entry_problem`)."""
+    return {"size": module.stat().st_size, "sha256": _sha256_file(module)}
+
+
+def entry_problem(entry: Path, key: str | None = None) -> str | None:
+    """Why the entry folder must not be loaded, or None when ``module.so`` matches its manifest.
+
+    Checked before dlopen because a truncated module can kill the process with SIGBUS and a module
+    of another variant would load silently. Costs a stat and a sha256 of the module (about 1 ms
+    per MB), once per variant and process.
+    """
+    manifest = read_manifest(entry)
+    if manifest is None:
+        return "manifest.json is missing or unreadable"
+    if key is not None and manifest.get("key") != key:
+        return f"manifest.json is for key {manifest.get('key')}, not {key}"
+    if not isinstance(manifest.get("sha256"), str):
+        return "manifest.json records no sha256 of module.so (an entry of an older dsv4jit)"
+    module = entry / "module.so"
+    try:
+        size = module.stat().st_size
+    except OSError as e:
+        return f"module.so cannot be read ({e.strerror})"
+    if size != manifest.get("size"):
+        return f"module.so has {size} bytes, the manifest records {manifest.get('size')}"
+    if _sha256_file(module) != manifest["sha256"]:
+        return "module.so does not match the sha256 in manifest.json"
+    return None
+
+
+def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None,
+               source_key: str | None = None) -> tuple[Path | None, list[Damaged]]:
+    """First verified entry in the roots, and the damaged ones met on the way. With no toolchain
+    (``info`` None) match on the source key."""
+    damaged: list[Damaged] = []
     for root in roots():
         if info is not None:
-            entry = entry_dir(root, arch, variant, info.key)
-            if (entry / "manifest.json").is_file():
-                return entry
-            continue
-        folder = kernel_dir(root, arch, variant)
-        if not folder.is_dir():
-            continue
-        matches = []
-        for entry in folder.glob(f"{variant.slug}-*"):
-            manifest = read_manifest(entry)
-            if manifest and manifest.get("source_key") == source_key:
-                matches.append((manifest.get("built_at", 0), entry))
-        if matches:
-            return max(matches)[1]
-    return None
+            candidates = [entry_dir(root, arch, variant, info.key)]
+        else:
+            folder = kernel_dir(root, arch, variant)
+            matches = []
+            for entry in folder.glob(f"{variant.slug}-*") if folder.is_dir() else ():
+                manifest = read_manifest(entry)
+                if manifest and manifest.get("source_key") == source_key:
+                    matches.append((manifest.get("built_at", 0), entry))
+            candidates = [entry for _, entry in sorted(matches, reverse=True)]  # most recently built first
+        for entry in candidates:
+            if not entry.is_dir():
+                continue
+            problem = entry_problem(entry, info.key if info is not None else None)
+            if problem is None:
+                return entry, damaged
+            damaged.append(Damaged(entry, problem))
+    return None, damaged
 
 
 def read_manifest(entry: Path) -> dict | None:

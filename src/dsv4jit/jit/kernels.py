@@ -37,7 +37,7 @@ PLAN_HOST = KernelSpec(
     header="plan_host.h",
     params=(),
     exports={"prefill": "dsv4::plan::HostPlanner::prefill", "decode": "dsv4::plan::HostPlanner::decode",
-             "prefill_counts": "dsv4::plan::prefill_counts", "describe_status": "dsv4::plan::describe_status",
+             "prefill_counts": "dsv4::plan::prefill_counts",
              "prefill_online": "dsv4::plan::HostPlanner::prefill_online",
              "decode_online": "dsv4::plan::HostPlanner::decode_online",
              "prefill_online_counts": "dsv4::plan::prefill_online_counts"},

@@ -1,8 +1,8 @@
 """Load a kernel variant: memo, then cache lookup (lock-free, no subprocess), then build.
 
 The warm path is: per-process memo hit; or compute the key (toolchain identity and header digests
-are memoised; the identity is cached on disk, so no subprocess runs), ``stat`` the manifest in each
-root, and ``dlopen`` the module.
+are memoised; the identity is cached on disk, so no subprocess runs), read the manifest in each
+root, check the module's size and sha256 against it, and ``dlopen`` the module.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ class Resolution:
     variant: Variant
     arch: Arch
     info: cache.KeyInfo | None
-    entry: Path | None
+    entry: Path | None  # verified against its manifest
     command: build.Command | None
     toolchain_error: DSV4JITToolchainError | None = None
+    damaged: tuple[cache.Damaged, ...] = ()  # entries of this variant found on the way that failed the check
 
 
 def resolve(variant: Variant, arch: Arch) -> Resolution:
@@ -55,10 +56,12 @@ def resolve(variant: Variant, arch: Arch) -> Resolution:
         # Normalised commands name compilers by token, so a placeholder toolchain gives the same one.
         command = build.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
         info = cache.make_key(variant, arch, command.normalized, None)
-        return Resolution(variant, arch, None, cache.find_entry(variant, arch, None, info.source_key), None, error)
+        entry, damaged = cache.find_entry(variant, arch, None, info.source_key)
+        return Resolution(variant, arch, None, entry, None, error, tuple(damaged))
     command = build.compile_command(variant, arch, tc)
     info = cache.make_key(variant, arch, command.normalized, tc.identity(host_only=arch.is_host))
-    return Resolution(variant, arch, info, cache.find_entry(variant, arch, info), command)
+    entry, damaged = cache.find_entry(variant, arch, info)
+    return Resolution(variant, arch, info, entry, command, None, tuple(damaged))
 
 
 def load(variant: Variant, arch: Arch):
@@ -77,37 +80,48 @@ def load(variant: Variant, arch: Arch):
 
 def _load_uncached(variant: Variant, arch: Arch):
     res = resolve(variant, arch)
-    reason = "no cache entry"
+    distrust = None
     if res.entry is not None and not env.force_rebuild():
+        for d in res.damaged:  # shadowed by the verified entry of a later root
+            log.warning("dsv4jit: cached %s at %s is damaged (%s); loading %s instead", variant.id, d.entry,
+                        d.problem, res.entry)
         try:
             return _load_module(res.entry / "module.so")
-        except Exception as e:  # noqa: BLE001 - a broken entry is a miss
-            log.warning("dsv4jit: cached %s at %s failed to load (%s); rebuilding", variant.id, res.entry, e)
-            reason = f"cached entry failed to load: {e}"
-    elif res.entry is not None:
-        reason = "forced rebuild (DSV4JIT_FORCE_REBUILD=1)"
+        except Exception as e:  # noqa: BLE001 - verified, yet it does not load here: rebuilt once
+            distrust = cache.Damaged(res.entry, f"it does not load: {e}")
     if env.no_compile():
-        raise DSV4JITCacheMiss(_miss_message(res))
+        raise DSV4JITCacheMiss(build.not_cached(variant, arch, res.info.key if res.info else None,
+                                                "DSV4JIT_NO_COMPILE=1", build.fix_command(variant, arch),
+                                                res.damaged + ((distrust,) if distrust else ())))
     if res.toolchain_error is not None:
-        raise DSV4JITToolchainError(f"{res.toolchain_error}. {_fix_hint(res)}")
-    tc = toolchain(need_cuda=not arch.is_host)
-    module, _ = build.build(variant, arch, tc, res.info, res.command, reason, _load_module)
-    return module
+        # Precompiling here would fail the same way: the fix is a compiler, or a cache built elsewhere.
+        raise DSV4JITToolchainError(f"{res.toolchain_error}. Fix: install the compiler, or run "
+                                    f"{build.fix_command(variant, arch)} where it is and add that cache to "
+                                    "DSV4JIT_CACHE_PATH")
+    return build_resolved(res, _reason(res, distrust), distrust).module
 
 
-def _fix_hint(res: Resolution) -> str:
-    arch = "" if res.arch.is_host else f" --arch {res.arch.name}"
-    command = f"python -m dsv4jit precompile{arch} --set '{res.variant.id}'"
-    if res.toolchain_error is not None:  # precompiling here would fail the same way
-        return f"Fix: install the compiler, or run {command} where it is and add that cache to DSV4JIT_CACHE_PATH"
-    return f"Fix: {command}"
+def _reason(res: Resolution, distrust: cache.Damaged | None) -> str:
+    if distrust is not None:
+        return f"cached entry failed to load: {distrust.problem}"
+    if res.entry is not None:
+        return "forced rebuild (DSV4JIT_FORCE_REBUILD=1)"
+    if res.damaged:
+        return f"damaged cache entry: {res.damaged[0].problem}"
+    return "no cache entry"
 
 
-def _miss_message(res: Resolution) -> str:
-    key = res.info.key if res.info else "(unknown: no toolchain)"
-    searched = ", ".join(str(r) for r in cache.roots())
-    return (f"dsv4jit: {res.variant.id} for {res.arch} is not in the kernel cache and DSV4JIT_NO_COMPILE=1 "
-            f"(key {key}; searched {searched}). {_fix_hint(res)}")
+def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None = None) -> build.Built:
+    """Build a resolved variant (`res.info` set: a toolchain was found). Damaged entries outside the
+    write root, which dsv4jit never modifies, are reported and left; the builder moves the write
+    root's aside."""
+    own = cache.entry_dir(env.cache_dir(), res.arch, res.variant, res.info.key)
+    for d in res.damaged:
+        if d.entry != own:
+            log.warning("dsv4jit: cached %s at %s is damaged (%s); building into the write root", res.variant.id,
+                        d.entry, d.problem)
+    tc = toolchain(need_cuda=not res.arch.is_host)
+    return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, distrust)
 
 
 def variant(kernel: str, **params) -> Variant:

@@ -15,6 +15,7 @@ Window slot ``s`` of the event closing at position ``p`` holds position ``p − 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -92,16 +93,17 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
                         f"got {sorted(map(str, devices))}")
 
 
-def _check_index_range(name: str, index: torch.Tensor, size: int) -> None:
+def _check_index_range(plan: str, what: str, index: torch.Tensor, size: int, of: str) -> None:
     # Advanced indexing wraps negative indices silently; a malformed plan must not read a wrong row.
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
-        raise ValueError(f"{name}: indices must lie in [0, {size}), got range [{int(index.min())}, {int(index.max())}]")
+        raise ValueError(f"{plan}: {what} must lie in [0, {size}) (the rows of {of}), got range "
+                         f"[{int(index.min())}, {int(index.max())}]")
 
 
-def _check_distinct(name: str, index: torch.Tensor) -> None:
+def _check_distinct(plan: str, index: torch.Tensor) -> None:
     # contract §4.4: no two valid writes of one step target the same state row, so writes are order-free.
     if index.numel() != torch.unique(index).numel():
-        raise ValueError(f"{name}: two rows write the same state row")
+        raise ValueError(f"{plan}: two rows write the same state row (write_loc)")
 
 
 def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
@@ -133,21 +135,26 @@ def _first_window_mask(seq_len: torch.Tensor, compress_ratio: int) -> torch.Tens
     return (seq_len == 4)[:, None] & (slot < _C4_OVERLAP_SLOTS)[None, :]
 
 
-def _gather_windows(flat_state, kv_score_input, *, seq_len, ragged_id, buffer_len, read_page_0, read_page_1,
-                    head_dim, compress_ratio):
-    """kv, score ``[N, Wn, hd]`` in fp32 for N compress events (index tensors on the state's device).
+@dataclass(frozen=True)
+class _Windows:
+    """Where the Wn slots of N compress events come from, with every index range-checked."""
 
-    Slot s comes from the state if ``s < buffer_len`` (c4: slots 0–3 from page read_page_0 row s,
+    masked: torch.Tensor  # [N, Wn] slots before the sequence start: kv 0, score -inf
+    from_state: torch.Tensor  # [N, Wn]
+    from_input: torch.Tensor
+    state_index: torch.Tensor  # flat state rows of the from_state slots
+    input_index: torch.Tensor  # kv_score_input rows of the from_input slots
+
+
+def _window_sources(plan: str, flat_state, kv_score_input, *, seq_len, ragged_id, buffer_len, read_page_0,
+                    read_page_1, compress_ratio) -> _Windows:
+    """Slot s comes from the state if ``s < buffer_len`` (c4: slots 0–3 from page read_page_0 row s,
     slots 4–7 from page read_page_1 row s−4; c128: page read_page_1 row s), else from input row
-    ``ragged_id − (Wn−1) + s``. Masked slots get kv = 0, score = −inf and are never read, because
-    their source rows may not exist (contract §4.2); read_page_* are likewise only used where
-    ``s < buffer_len`` (for buffer_len == 0 they hold planner leftovers, contract §3.4).
-    """
+    ``ragged_id − (Wn−1) + s``. Masked slots are never read, because their source rows may not
+    exist (contract §4.2); read_page_* are likewise only used where ``s < buffer_len`` (for buffer_len == 0
+    they hold planner leftovers, contract §3.4). Index tensors are on the state's device."""
     R, wn = compress_ratio, window_size(compress_ratio)
-    last_dim = flat_state.shape[1]
-    n = seq_len.numel()
-    device = flat_state.device
-    slot = torch.arange(wn, device=device)[None, :]
+    slot = torch.arange(wn, device=flat_state.device)[None, :]
 
     masked = _first_window_mask(seq_len, R)
     from_state = (slot < buffer_len[:, None]) & ~masked
@@ -160,18 +167,24 @@ def _gather_windows(flat_state, kv_score_input, *, seq_len, ragged_id, buffer_le
         state_row = read_page_1[:, None] * R + slot
     input_row = ragged_id[:, None] - (wn - 1) + slot
 
-    state_index = state_row[from_state]
-    input_index = input_row[from_input]
-    _check_index_range("state rows read by the plan", state_index, flat_state.shape[0])
-    _check_index_range("input rows read by the plan", input_index, kv_score_input.shape[0])
+    w = _Windows(masked, from_state, from_input, state_row[from_state], input_row[from_input])
+    _check_index_range(plan, "the state rows it reads (read_page_0, read_page_1)", w.state_index, flat_state.shape[0],
+                       "kv_score_buffer")
+    _check_index_range(plan, "the input rows it reads (ragged_id)", w.input_index, kv_score_input.shape[0],
+                       "kv_score_input")
+    return w
 
-    rows = torch.zeros(n, wn, last_dim, dtype=torch.float32, device=device)
+
+def _gather_windows(w: _Windows, flat_state, kv_score_input, *, head_dim, compress_ratio):
+    """kv, score ``[N, Wn, hd]`` in fp32 for N compress events; masked slots get kv = 0, score = −inf."""
+    n, wn = w.masked.shape
+    rows = torch.zeros(n, wn, flat_state.shape[1], dtype=torch.float32, device=flat_state.device)
     # Mixed dtypes: state values go through the input dtype first (contract §4.1).
-    rows[from_state] = flat_state[state_index].to(kv_score_input.dtype).to(torch.float32)
-    rows[from_input] = kv_score_input[input_index].to(torch.float32)
+    rows[w.from_state] = flat_state[w.state_index].to(kv_score_input.dtype).to(torch.float32)
+    rows[w.from_input] = kv_score_input[w.input_index].to(torch.float32)
 
-    kv, score = _split_roles(rows, head_dim, R)
-    score = score.masked_fill(masked[:, :, None], float("-inf"))
+    kv, score = _split_roles(rows, head_dim, compress_ratio)
+    score = score.masked_fill(w.masked[:, :, None], float("-inf"))
     return kv, score
 
 
@@ -207,25 +220,26 @@ def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, he
                          f"got {kv_score_input.shape[0]}")
     device = kv_score_buffer.device
     flat = _flat_state(kv_score_buffer, row_width(head_dim, compress_ratio))
+    rows = torch.nonzero(c.valid).flatten()
+    windows = _window_sources("plan_c", flat, kv_score_input, seq_len=c.seq_len[rows].to(device),
+                              ragged_id=c.ragged_id[rows].to(device), buffer_len=c.buffer_len[rows].to(device),
+                              read_page_0=c.read_page_0[rows].to(device), read_page_1=c.read_page_1[rows].to(device),
+                              compress_ratio=compress_ratio)
+    write = w.valid
+    ragged_id, write_loc = w.ragged_id[write].to(device), w.write_loc[write].to(device)
+    _check_index_range("plan_w", "ragged_id", ragged_id, kv_score_input.shape[0], "kv_score_input")
+    _check_index_range("plan_w", "write_loc", write_loc, flat.shape[0], "kv_score_buffer")
+    _check_distinct("plan_w", write_loc)
+    # Every row either pass touches is checked above: a bad plan writes nothing.
 
     # 1. Compress. Everything is gathered before any write below: the compress reads the ring as it
     #    was before this step, even where this step's writes reuse the same rows.
-    rows = torch.nonzero(c.valid).flatten()
     if rows.numel():
-        kv, score = _gather_windows(
-            flat, kv_score_input,
-            seq_len=c.seq_len[rows].to(device), ragged_id=c.ragged_id[rows].to(device),
-            buffer_len=c.buffer_len[rows].to(device), read_page_0=c.read_page_0[rows].to(device),
-            read_page_1=c.read_page_1[rows].to(device), head_dim=head_dim, compress_ratio=compress_ratio)
+        kv, score = _gather_windows(windows, flat, kv_score_input, head_dim=head_dim, compress_ratio=compress_ratio)
         pooled = window_softmax(kv, score, ape, dtype=torch.float32)
         out[rows.to(out.device)] = pooled.to(out.dtype)
 
     # 2. Write: verbatim copy of the input row, rounded to the state dtype.
-    write = w.valid
-    ragged_id, write_loc = w.ragged_id[write].to(device), w.write_loc[write].to(device)
-    _check_index_range("plan_w ragged_id", ragged_id, kv_score_input.shape[0])
-    _check_index_range("plan_w write_loc", write_loc, flat.shape[0])
-    _check_distinct("plan_w write_loc", write_loc)
     flat[write_loc] = kv_score_input[ragged_id].to(flat.dtype)
     return out
 
@@ -252,23 +266,23 @@ def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, c
     wn = window_size(compress_ratio)
 
     write_loc = d.write_loc.to(device)
-    _check_index_range("plan_d write_loc", write_loc, flat.shape[0])
-    # No distinctness check: cuda-graph padding rows (seq_len 1) may share one dummy write_loc.
-    flat[write_loc] = kv_score_input.to(flat.dtype)
-
+    _check_index_range("plan_d", "write_loc", write_loc, flat.shape[0], "kv_score_buffer")
     if compress_ratio == 4:
         boundary = d.seq_len % 4 == 0
     else:
         boundary = d.write_loc % 128 == 127
-    out.zero_()
     rows = torch.nonzero(boundary).flatten()
+    windows = _window_sources("plan_d", flat, kv_score_input, seq_len=d.seq_len[rows].to(device),
+                              ragged_id=torch.zeros_like(rows, device=device),
+                              buffer_len=torch.full((rows.numel(),), wn, dtype=torch.int64, device=device),
+                              read_page_0=d.read_page_0[rows].to(device), read_page_1=d.read_page_1[rows].to(device),
+                              compress_ratio=compress_ratio)
+    # Checked before anything is written. No distinctness check: cuda-graph padding rows (seq_len 1)
+    # may share one dummy write_loc.
+    flat[write_loc] = kv_score_input.to(flat.dtype)
+    out.zero_()
     if rows.numel():
-        kv, score = _gather_windows(
-            flat, kv_score_input,
-            seq_len=d.seq_len[rows].to(device), ragged_id=torch.zeros_like(rows, device=device),
-            buffer_len=torch.full((rows.numel(),), wn, dtype=torch.int64, device=device),
-            read_page_0=d.read_page_0[rows].to(device), read_page_1=d.read_page_1[rows].to(device),
-            head_dim=head_dim, compress_ratio=compress_ratio)
+        kv, score = _gather_windows(windows, flat, kv_score_input, head_dim=head_dim, compress_ratio=compress_ratio)
         pooled = window_softmax(kv, score, ape, dtype=torch.float32)
         out[rows.to(out.device)] = pooled.to(out.dtype)
     return out

@@ -69,9 +69,9 @@ def _check(state, inputs, ape, out, head_dim, out_rows):
         raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
 
 
-def _check_slot(name: str, slot: int, rows: int) -> None:
+def _check_slot(plan: str, what: str, slot: int, rows: int) -> None:
     if not 0 <= slot < rows:
-        raise ValueError(f"{name}: state row {slot} outside [0, {rows})")
+        raise ValueError(f"{plan}: {what} must lie in [0, {rows}) (the state rows of kv_score_buffer), got {slot}")
 
 
 def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out, dtype=torch.float32):
@@ -82,25 +82,28 @@ def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out
                          f"got {kv_score_input.shape[0]}")
     d = decode_decode_plan(plan_d)
     flat = kv_score_buffer.view(-1, 3 * head_dim)
+    chunk_pos = [(int(seq_len) - 1) % CHUNK for seq_len in d.seq_len]
+    for b, c in enumerate(chunk_pos):  # every slot checked before anything is written
+        if c != 0:
+            _check_slot("plan_d", f"read_page_0 of row {b}", int(d.read_page_0[b]), flat.shape[0])
+        if c != CHUNK - 1:
+            _check_slot("plan_d", f"write_loc of row {b}", int(d.write_loc[b]), flat.shape[0])
     out.zero_()
-    for b in range(plan_d.shape[0]):
-        c = (int(d.seq_len[b]) - 1) % CHUNK
+    for b, c in enumerate(chunk_pos):
         kv = kv_score_input[b, :head_dim].to(dtype)
         z = kv_score_input[b, head_dim:].to(dtype) + ape[c].to(dtype)
         if c == 0:
             new = online_reset(kv, z)
         else:
-            _check_slot("plan_d read_page_0", int(d.read_page_0[b]), flat.shape[0])
             new = online_update(online_state_from_row(flat[int(d.read_page_0[b])], head_dim, dtype), kv, z)
         if c == CHUNK - 1:
             out[b] = new.k.to(out.dtype)
         else:
-            _check_slot("plan_d write_loc", int(d.write_loc[b]), flat.shape[0])
             flat[int(d.write_loc[b])] = online_state_to_row(new, flat.dtype)
     return out
 
 
-def _segments(plan: torch.Tensor, inputs, ape, flat, head_dim, dtype):
+def _segments(name: str, plan: torch.Tensor, inputs, ape, flat, head_dim, dtype):
     """(row index, merged state, store slot) of every valid segment row, states as stored before this step."""
     rows = decode_compress_plan(plan)
     result = []
@@ -108,13 +111,13 @@ def _segments(plan: torch.Tensor, inputs, ape, flat, head_dim, dtype):
         end = (int(rows.seq_len[i]) - 1) % CHUNK + 1        # chunk offsets [end - n, end)
         n, last = int(rows.buffer_len[i]), int(rows.ragged_id[i])
         if not 1 <= n <= end or last - n + 1 < 0 or last >= inputs.shape[0]:
-            raise ValueError(f"plan row {i}: segment of {n} tokens ending at ragged id {last}, chunk offset "
-                             f"{end - 1}, does not fit the chunk or kv_score_input ({inputs.shape[0]} rows)")
+            raise ValueError(f"{name}: row {i} (a segment of {n} tokens ending at ragged id {last}, chunk offset "
+                             f"{end - 1}) does not fit the chunk or kv_score_input ({inputs.shape[0]} rows)")
         tokens = inputs[last - n + 1:last + 1].to(dtype)
         state = segment_state(tokens[:, :head_dim], tokens[:, head_dim:] + ape[end - n:end].to(dtype))
         if end - n > 0:  # continues a chunk: merge into the stored partial state
             load = int(rows.read_page_1[i]) if int(rows.read_page_1[i]) >= 0 else int(rows.read_page_0[i])
-            _check_slot(f"plan row {i} read_page", load, flat.shape[0])
+            _check_slot(name, f"the state row read by row {i}", load, flat.shape[0])
             state = online_merge(online_state_from_row(flat[load], head_dim, dtype), state)
         result.append((i, state, int(rows.read_page_0[i])))
     return result
@@ -124,11 +127,14 @@ def online_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head
     """One prefill step: compress pass (plan_c -> out rows), then write pass (plan_w -> state); returns ``out``."""
     _check(kv_score_buffer, kv_score_input, ape, out, head_dim, plan_c.shape[0])
     flat = kv_score_buffer.view(-1, 3 * head_dim)
-    for i, state, _ in _segments(plan_c, kv_score_input, ape, flat, head_dim, dtype):
+    # Every stored state is read (by both passes' merges) before any is written, and every row
+    # checked before anything is written.
+    pooled = _segments("plan_c", plan_c, kv_score_input, ape, flat, head_dim, dtype)
+    stores = _segments("plan_w", plan_w, kv_score_input, ape, flat, head_dim, dtype)
+    for i, _, slot in stores:
+        _check_slot("plan_w", f"read_page_0 of row {i}", slot, flat.shape[0])
+    for i, state, _ in pooled:
         out[i] = state.k.to(out.dtype)
-    # Every stored state is read (by the pass above and by the merges below) before any is written.
-    stores = _segments(plan_w, kv_score_input, ape, flat, head_dim, dtype)
     for _, state, slot in stores:
-        _check_slot("plan_w read_page_0", slot, flat.shape[0])
         flat[slot] = online_state_to_row(state, flat.dtype)
     return out

@@ -18,6 +18,8 @@ Everything is computed on the CPU; the cache may live on any device and is mutat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..plan_layout import decode_compress_plan, decode_decode_plan
@@ -110,9 +112,9 @@ def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: i
     shift = page_size.bit_length() - 1
     page, slot = locs >> shift, locs & (page_size - 1)
     if locs.numel() and (bool((locs < 0).any()) or int(page.max()) >= kvcache.shape[0]):
-        raise ValueError(f"locations must lie in [0, {kvcache.shape[0] * page_size}) "
-                         f"({kvcache.shape[0]} pages of {page_size}), got min {int(locs.min())} "
-                         f"max {int(locs.max())}")
+        raise ValueError(f"out_loc: the cache locations of the stored rows must lie in "
+                         f"[0, {kvcache.shape[0] * page_size}) ({kvcache.shape[0]} pages of {page_size} in kvcache), "
+                         f"got min {int(locs.min())} max {int(locs.max())}")
     return page, slot
 
 
@@ -164,6 +166,14 @@ def rms_norm(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> to
     return (x * r) * w
 
 
+def _check_positions(positions, freq: torch.Tensor) -> torch.Tensor:
+    positions = torch.as_tensor(positions).detach().cpu().to(torch.int64).reshape(-1)
+    if positions.numel() and (bool((positions < 0).any()) or int(positions.max()) >= freq.shape[0]):
+        raise ValueError(f"freq_cis: the RoPE positions of the stored rows (seq_len - compress_ratio) must lie in "
+                         f"[0, {freq.shape[0]}) (its rows), got min {int(positions.min())} max {int(positions.max())}")
+    return positions
+
+
 def apply_rope(y: torch.Tensor, freq: torch.Tensor, positions: torch.Tensor, rope_dim: int = ROPE_DIM) -> torch.Tensor:
     """Rotate the trailing ``rope_dim`` dims of fp32 ``y`` (contract §6.3), interleaved (GPT-J) pairs.
 
@@ -174,10 +184,7 @@ def apply_rope(y: torch.Tensor, freq: torch.Tensor, positions: torch.Tensor, rop
     base = hd - rope_dim
     if rope_dim % 2 or base < 0 or freq.shape[-1] != rope_dim:
         raise ValueError(f"rope_dim {rope_dim} does not fit head_dim {hd} / freq table {list(freq.shape)}")
-    positions = torch.as_tensor(positions).detach().cpu().to(torch.int64).reshape(-1)
-    if positions.numel() and (bool((positions < 0).any()) or int(positions.max()) >= freq.shape[0]):
-        raise ValueError(f"RoPE positions must lie in [0, {freq.shape[0]}), got min {int(positions.min())} "
-                         f"max {int(positions.max())}")
+    positions = _check_positions(positions, freq)
     f = freq.detach().cpu().to(torch.float32)[positions]
     cos, sin = f[:, 0::2], f[:, 1::2]
     out = y.clone()
@@ -325,7 +332,7 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
     if is_decode:
         rows = decode_decode_plan(plan)
         if out_loc.numel() != rows.seq_len.numel():
-            raise ValueError(f"decode: out_loc must have one entry per plan row ({rows.seq_len.numel()}), "
+            raise ValueError(f"out_loc must have one entry per decode plan row ({rows.seq_len.numel()}), "
                              f"got {out_loc.numel()}")
         keep = torch.nonzero(rows.seq_len % compress_ratio == 0).flatten()
         loc_index = keep
@@ -334,23 +341,29 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
         keep = torch.nonzero(rows.valid).flatten()
         loc_index = rows.ragged_id[keep]
         if keep.numel() and int(loc_index.max()) >= out_loc.numel():
-            raise ValueError(f"prefill: out_loc is indexed by ragged id and has {out_loc.numel()} entries, "
+            raise ValueError(f"out_loc is indexed by ragged id and has {out_loc.numel()} entries, "
                              f"but a plan row has ragged_id {int(loc_index.max())}")
     positions = rows.seq_len[keep] - compress_ratio
     return keep, positions, out_loc[loc_index]
 
 
-def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
-                             norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
-                             out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
-                             use_fp4: bool = False, bf16_store: bool = False) -> None:
-    """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (contract §6).
+@dataclass(frozen=True)
+class StoreRows:
+    """What `compress_norm_rope_store` stores, found by `checked_store`: the format, the kv rows
+    that store a token, their RoPE positions and cache locations, and the fp32 (cos, sin) table."""
 
-    ``kv [N, hd]`` (fp32, bf16 or fp16) row i goes with plan row i (CompressPlan rows in prefill,
-    DecodePlan rows in decode). ``freq_cis`` is complex64 ``[max_pos, 32]`` (an fp32 ``[max_pos, 64]``
-    table of interleaved (cos, sin) is accepted as well). ``kvcache`` (2-D uint8, one page per row) is
-    written in place; rows that are skipped write nothing.
-    """
+    fmt: str
+    keep: torch.Tensor
+    positions: torch.Tensor
+    locs: torch.Tensor
+    freq: torch.Tensor
+
+
+def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
+                  norm_weight: torch.Tensor, freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
+                  page_size: int, use_fp4: bool = False, bf16_store: bool = False) -> StoreRows:
+    """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read), so
+    that a caller that computes kv first (the fused op) can check the store before writing anything."""
     if kv.dim() != 2:
         raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
     if kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -370,13 +383,31 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
     if freq.dim() != 2 or freq.shape[1] != ROPE_DIM or freq.dtype != torch.float32:
         raise ValueError(f"freq_cis must be complex [max_pos, {ROPE_DIM // 2}] (or fp32 [max_pos, {ROPE_DIM}]), "
                          f"got {list(freq_cis.shape)} {freq_cis.dtype}")
-
     keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
-    if keep.numel() == 0:
+    _check_positions(positions, freq)
+    _page_slot(kvcache, locs, fmt, page_size)
+    return StoreRows(fmt, keep, positions, locs, freq)
+
+
+def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
+                             norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
+                             out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
+                             use_fp4: bool = False, bf16_store: bool = False) -> None:
+    """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (contract §6).
+
+    ``kv [N, hd]`` (fp32, bf16 or fp16) row i goes with plan row i (CompressPlan rows in prefill,
+    DecodePlan rows in decode). ``freq_cis`` is complex64 ``[max_pos, 32]`` (an fp32 ``[max_pos, 64]``
+    table of interleaved (cos, sin) is accepted as well). ``kvcache`` (2-D uint8, one page per row) is
+    written in place, after every check; rows that are skipped write nothing.
+    """
+    rows = checked_store(kv, plan, is_decode=is_decode, compress_ratio=compress_ratio, norm_weight=norm_weight,
+                         freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
+                         bf16_store=bf16_store)
+    if rows.keep.numel() == 0:
         return
     # The op's wrapper casts the weight to kv's dtype before the fp32 math.
     weight = norm_weight.detach().to(kv.dtype)
-    values = norm_rope(kv.detach().cpu()[keep], weight, norm_eps, freq, positions)
-    if head_dim == INDEXER_HEAD_DIM:
+    values = norm_rope(kv.detach().cpu()[rows.keep], weight, norm_eps, rows.freq, rows.positions)
+    if kv.shape[1] == INDEXER_HEAD_DIM:
         values = hadamard128(values)
-    WRITERS[fmt](kvcache, locs, values, page_size)
+    WRITERS[rows.fmt](kvcache, rows.locs, values, page_size)

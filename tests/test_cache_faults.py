@@ -1,0 +1,380 @@
+"""Faults of the kernel cache: one test per row of the table in docs/jit.md ("What the cache
+guarantees under faults").
+
+No GPU is needed. The session compiles the selftest variant once (``prebuilt``); builds here run
+a stand-in nvcc that copies that module (``fake_nvcc("copy")``) and records each run in a counter
+file, so every test can assert how many compiles a fault cost.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import filelock
+import pytest
+
+from child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
+from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
+from dsv4jit import cli
+from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss
+from dsv4jit.jit import cache, loader
+from dsv4jit.jit.toolchain import Arch
+
+pytestmark = pytest.mark.usefixtures("jit_env")
+
+FOREIGN_MODULE = Path(cache.tvm_ffi_info()["lib"]) / "libtvm_ffi_testing.so"  # a tvm-ffi module that loads fine
+
+
+@pytest.fixture
+def published(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir, selftest, arch):
+    """An entry published by a (stand-in) compile; returns (entry, counter of compiler runs)."""
+    counter = tmp_path / "nvcc-runs"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, counter=counter)))
+    loader.load(selftest, arch)
+    loader.clear_memo()
+    [entry] = entries_on_disk(cache_dir)
+    assert counted(counter) == 1
+    return entry, counter
+
+
+def _rewrite_manifest(entry: Path, **changes) -> None:
+    manifest = json.loads((entry / "manifest.json").read_text())
+    (entry / "manifest.json").write_text(json.dumps(manifest | changes))
+
+
+def _replace(module: Path, data: bytes) -> None:
+    """New contents for a module file, as a new file: this test process has the old one mapped (it
+    built and loaded it), and cutting a mapped file short would crash it with SIGBUS."""
+    fresh = module.with_name(module.name + ".new")
+    fresh.write_bytes(data)
+    os.replace(fresh, module)
+
+
+def _flip_last_byte(module: Path) -> None:
+    data = bytearray(module.read_bytes())
+    data[-1] ^= 0xFF  # in the section headers, which dlopen does not need
+    _replace(module, bytes(data))
+
+
+# name -> (damage done to the entry, the problem the WARNING must state). Loaded unchecked, the
+# truncated module killed the process with SIGBUS, the changed ones loaded (and crashed it at exit).
+DAMAGE = {
+    "empty module": (lambda e: _replace(e / "module.so", b""), r"module\.so has 0 bytes, the manifest records \d+"),
+    "truncated module": (lambda e: _replace(e / "module.so", (e / "module.so").read_bytes()[:64 * 1024]),
+                         r"module\.so has 65536 bytes, the manifest records \d+"),
+    "random bytes": (lambda e: _replace(e / "module.so", os.urandom((e / "module.so").stat().st_size)),
+                     r"module\.so does not match the sha256 in manifest\.json"),
+    "another module": (lambda e: _replace(e / "module.so", FOREIGN_MODULE.read_bytes()),
+                       rf"module\.so has {FOREIGN_MODULE.stat().st_size} bytes, the manifest records \d+"),
+    "one byte changed": (lambda e: _flip_last_byte(e / "module.so"),
+                         r"module\.so does not match the sha256 in manifest\.json"),
+    "no manifest": (lambda e: (e / "manifest.json").unlink(), r"manifest\.json is missing or unreadable"),
+    "unreadable manifest": (lambda e: (e / "manifest.json").write_text("{"), r"manifest\.json is missing or unreadable"),
+    "manifest of another key": (lambda e: _rewrite_manifest(e, key="0" * cache.KEY_CHARS),
+                                r"manifest\.json is for key 0{20}, not [0-9a-f]{20}"),
+}
+
+LOAD_IN_CHILD = CHILD_PRELUDE + """
+import logging
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+print(type(loader.load(VARIANT, ARCH).affine).__name__)
+"""
+
+
+def _load_in_child() -> tuple[str, list[str]]:
+    """loader.load in a fresh process, so that a module that crashes dlopen fails the test instead of
+    killing the test run; returns (the type of the module's export, the WARNING lines)."""
+    run = subprocess.run([PYTHON, "-c", LOAD_IN_CHILD], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr}"
+    return run.stdout.split()[-1], [line for line in run.stderr.splitlines() if line.startswith("WARNING ")]
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_entry_is_moved_aside_and_rebuilt_once(damage, published, selftest, arch):
+    entry, counter = published
+    key = loader.resolve(selftest, arch).info.key
+    harm, problem = DAMAGE[damage]
+    harm(entry)
+    damaged_files = {p.name: p.read_bytes() for p in entry.iterdir()}
+    export, warnings = _load_in_child()
+    assert export == "Function"  # the selftest module, not whatever was there
+    [warning] = warnings
+    assert re.search(problem, warning) and str(entry) in warning and "moved it to .bad-" in warning
+    assert counted(counter) == 2  # the first build and one rebuild
+    assert cache.entry_problem(entry, key) is None
+    [aside] = entry.parent.glob(f".bad-{entry.name}-*")  # kept for inspection, as it was
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == damaged_files
+    loader.load(selftest, arch)
+    assert counted(counter) == 2  # the rebuilt entry is a hit
+
+
+def test_verified_entry_that_does_not_load_here_is_rebuilt_once(published, monkeypatch, caplog, selftest, arch):
+    """A module that matches its manifest yet fails to load in this process (an environment problem,
+    such as a library missing on this host) is rebuilt once; if the rebuild does not load either,
+    that is a build error, not a loop."""
+    entry, counter = published
+    real_load = loader._load_module
+    stages_too = []
+
+    def load(path: Path):
+        if path.parent == entry or (stages_too and path.parent.name.startswith(".stage-")):
+            raise RuntimeError("libexample.so.1: cannot open shared object file")
+        return real_load(path)
+
+    monkeypatch.setattr(loader, "_load_module", load)
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    [warning] = _warnings(caplog)
+    assert "is damaged (it does not load: libexample.so.1: cannot open shared object file)" in warning
+    assert counted(counter) == 2
+
+    loader.clear_memo()
+    stages_too.append(True)  # the rebuild does not load either
+    with pytest.raises(DSV4JITBuildError, match="built module does not load: libexample.so.1"):
+        loader.load(selftest, arch)
+    assert counted(counter) == 3
+
+
+def test_damaged_entry_of_a_read_only_root_is_reported_and_left(published, tmp_path, monkeypatch, caplog, cache_dir,
+                                                                  selftest, arch):
+    entry, counter = published
+    baked = tmp_path / "baked"
+    shutil.move(cache_dir, baked)  # the cache becomes a read-only search root
+    monkeypatch.setenv("DSV4JIT_CACHE_PATH", str(baked))
+    monkeypatch.setenv("DSV4JIT_CACHE_DIR", str(tmp_path / "write-root"))
+    baked_entry = baked / entry.relative_to(cache_dir)
+    _replace(baked_entry / "module.so", b"")
+
+    monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
+    with pytest.raises(DSV4JITCacheMiss) as err:
+        loader.load(selftest, arch)
+    assert f"the entry at {baked_entry} is damaged: module.so has 0 bytes" in str(err.value)
+
+    monkeypatch.delenv("DSV4JIT_NO_COMPILE")
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    [warning] = _warnings(caplog)
+    assert f"at {baked_entry} is damaged" in warning and "building into the write root" in warning
+    assert counted(counter) == 2
+    assert (baked_entry / "module.so").read_bytes() == b""  # never modified
+    assert len(entries_on_disk(tmp_path / "write-root")) == 1
+
+
+def test_list_and_precompile_see_a_damaged_entry(published, capsys):
+    entry, counter = published
+    _replace(entry / "module.so", b"")
+    capsys.readouterr()
+    assert cli.main(["list", "--kernel", "selftest", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["variants"]
+    assert row["status"] == "missing" and row["entry"] is None
+    assert row["damaged"] == [{"entry": str(entry), "problem": row["damaged"][0]["problem"]}]
+    assert row["damaged"][0]["problem"].startswith("module.so has 0 bytes")
+    assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"] == {"built": 1, "cached": 0, "failed": 0, "cancelled": 0}
+    assert counted(counter) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Settings that change what nvcc builds
+
+
+@pytest.mark.parametrize("name", ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"])
+def test_nvcc_flag_variables_are_part_of_the_key(name, published, monkeypatch, cache_dir, selftest, arch):
+    entry, counter = published
+    host = loader.variant("plan_host")
+    plain, plain_host = loader.resolve(selftest, arch), loader.resolve(host, Arch.host())
+    monkeypatch.setenv(name, "-G -lineinfo")  # nvcc reads these itself: a debug build
+    flagged = loader.resolve(selftest, arch)
+    assert flagged.info.key != plain.info.key and flagged.entry is None
+    assert flagged.info.document["command"][0] == f"{name}=-G -lineinfo"
+    assert loader.resolve(host, Arch.host()).info.key == plain_host.info.key  # the host compiler ignores them
+    loader.load(selftest, arch)
+    assert counted(counter) == 2
+    [debug] = [e for e in entries_on_disk(cache_dir) if e != entry]
+    assert (debug / "build.log").read_text().startswith(f"{name}='-G -lineinfo' ")
+    monkeypatch.delenv(name)
+    assert loader.resolve(selftest, arch).entry == entry  # a process without the setting keeps its own build
+
+
+# --------------------------------------------------------------------------------------------
+# A builder that dies or is interrupted takes its compiler down
+
+
+def _start_slow_build(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir):
+    """A builder child whose stand-in nvcc (a shell running `sleep`) is under way; returns
+    (builder, compiler pids: the shell and its sleep)."""
+    pids = tmp_path / "nvcc-pids"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=120, counter=pids)))
+    builder = subprocess.Popen([PYTHON, "-c", CHILD_PRELUDE + "loader.load(VARIANT, ARCH)"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: counted(pids) == 1, 120, "the compile to start", builder)
+    shell = int(pids.read_text().split()[0])
+    wait_for(lambda: children(shell), 10, "the compiler's child (sleep)", builder)
+    assert stages_on_disk(cache_dir)
+    return builder, [shell, *children(shell)]
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_dead_or_interrupted_builder_takes_its_compiler_down(how, fake_nvcc, prebuilt, tmp_path, monkeypatch,
+                                                             cache_dir):
+    """Only the builder gets the signal (not its process group), as from the OOM killer or `kill`."""
+    builder, compiler = _start_slow_build(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir)
+    try:
+        builder.send_signal(getattr(signal, how))
+        _, err = builder.communicate(timeout=60)
+        wait_for(lambda: not any(running(pid) for pid in compiler), 10, "the compiler processes to be killed")
+    finally:
+        kill_all([builder.pid, *compiler])
+    assert builder.returncode != 0
+    if how == "SIGINT":  # interrupted: the builder cleaned up after itself and re-raised
+        assert "KeyboardInterrupt" in err
+        assert stages_on_disk(cache_dir) == []
+    assert entries_on_disk(cache_dir) == []
+
+
+def test_compiler_past_the_build_timeout_is_killed_with_its_children(fake_nvcc, prebuilt, tmp_path, monkeypatch,
+                                                                     cache_dir, selftest, arch):
+    pids = tmp_path / "nvcc-pids"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=60, counter=pids)))
+    monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "2")
+    failed = []
+
+    def load() -> None:
+        with pytest.raises(DSV4JITBuildError, match=r"timed out after 2s \(DSV4JIT_BUILD_TIMEOUT\)") as err:
+            loader.load(selftest, arch)
+        failed.append(err.value)
+
+    builder = threading.Thread(target=load)
+    builder.start()
+    wait_for(lambda: counted(pids) == 1 and children(int(pids.read_text().split()[0])), 60, "the compile to start")
+    shell = int(pids.read_text().split()[0])
+    spawned = [shell, *children(shell)]
+    try:
+        builder.join(60)
+        wait_for(lambda: not any(running(pid) for pid in spawned), 10, "the compiler processes to be killed")
+    finally:
+        kill_all(spawned)
+    [err] = failed
+    assert "timed out after 2s" in Path(err.log_path).read_text()
+    assert entries_on_disk(cache_dir) == [] and stages_on_disk(cache_dir) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Unwritable places
+
+
+def _deny_writes(folder: Path, monkeypatch) -> None:
+    """Make creating files in `folder` fail with EACCES. Root ignores permission bits, so for root the
+    lock library's open is made to fail as it then would."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return
+    acquire = filelock.FileLock.acquire
+
+    def denied(self, *args, **kwargs):
+        if Path(self.lock_file).parent == folder:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.lock_file)
+        return acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", denied)
+
+
+@pytest.mark.parametrize("lock_dir", [False, True], ids=["kernel folder", "DSV4JIT_LOCK_DIR"])
+def test_unwritable_lock_folder_raises_the_cache_error(lock_dir, fake_nvcc, prebuilt, tmp_path, monkeypatch, capsys,
+                                                       cache_dir, selftest, arch):
+    counter = tmp_path / "nvcc-runs"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, counter=counter)))
+    base = tmp_path / "locks" if lock_dir else cache_dir
+    if lock_dir:
+        monkeypatch.setenv("DSV4JIT_LOCK_DIR", str(base))
+    folder = cache.kernel_dir(base, arch, selftest)
+    folder.mkdir(parents=True)
+    _deny_writes(folder, monkeypatch)
+    try:
+        with pytest.raises(DSV4JITCacheError) as err:
+            loader.load(selftest, arch)
+        setting = "DSV4JIT_LOCK_DIR" if lock_dir else "DSV4JIT_CACHE_DIR"
+        assert str(err.value) == (f"dsv4jit: cannot write the kernel cache at {folder}: Permission denied; "
+                                  f"set {setting} to a writable folder with free space")
+        capsys.readouterr()
+        assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 1  # a failed build, no traceback
+        [result] = json.loads(capsys.readouterr().out)["results"]
+        assert result["status"] == "failed" and result["error"] == str(err.value)
+    finally:
+        folder.chmod(0o755)
+    assert counted(counter) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrency
+
+
+def test_eight_precompiles_over_a_damaged_entry_rebuild_it_once(published, fake_nvcc, prebuilt, tmp_path):
+    """One process moves the entry aside (the one WARNING) and rebuilds it; the seven others wait for
+    its lock and say that another process built it."""
+    entry, counter = published
+    _replace(entry / "module.so", b"")
+    fake_nvcc("copy", copy_from=prebuilt.module, counter=counter, sleep=2)  # slow enough for all to queue
+    go = tmp_path / "go"
+    script = """
+import sys, time
+from pathlib import Path
+from dsv4jit import cli
+Path(sys.argv[1] + ".ready").touch()
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.005)
+sys.exit(cli.main(["precompile", "--kernel", "selftest", "--json"]))
+"""
+    procs = [subprocess.Popen([PYTHON, "-c", script, str(tmp_path / f"child{i}"), str(go)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(8)]
+    try:
+        for i, p in enumerate(procs):
+            wait_for(lambda: (tmp_path / f"child{i}.ready").exists(), 120, f"child {i} to start", p)
+        go.touch()
+        results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    finally:
+        kill_all(p.pid for p in procs if p.poll() is None)
+    statuses = []
+    for out, err, code in results:
+        assert code == 0, err
+        [result] = json.loads(out)["results"]
+        statuses.append(result["status"])
+    assert sorted(statuses) == ["built"] + ["cached"] * 7
+    assert counted(counter) == 2
+    logs = "".join(err for _, err, _ in results)
+    [warning] = re.findall(r".* is damaged .*", logs)
+    assert "(module.so has 0 bytes" in warning
+    assert entries_on_disk(entry.parents[3]) == [entry]
+
+
+def test_precompile_that_waited_says_another_process_built_it(published, fake_nvcc, prebuilt, tmp_path, monkeypatch,
+                                                              capsys, cache_dir):
+    entry, counter = published
+    shutil.rmtree(entry)
+    fake_nvcc("copy", copy_from=prebuilt.module, counter=counter, sleep=3)
+    other = subprocess.Popen([PYTHON, "-c", CHILD_PRELUDE + "loader.load(VARIANT, ARCH)"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: counted(counter) == 2, 120, "the other process's compile to start", other)
+        capsys.readouterr()
+        assert cli.main(["precompile", "--kernel", "selftest"]) == 0
+        out = capsys.readouterr().out
+        other.communicate(timeout=60)
+    finally:
+        kill_all([other.pid])
+    assert re.search(rf"\[1/1\] {re.escape(SELFTEST_ID)} sm_90a built by another process \(waited \d+\.\ds\)", out)
+    assert "built 0, cached 1, failed 0" in out
+    assert counted(counter) == 2
