@@ -274,8 +274,8 @@ struct Kernels {
 
   /// Decode: write the current token; at a boundary pool the whole window from the ring (the
   /// last slot straight from registers: same values the ring now holds); else zero the output.
-  /// Loads leave in three waves only: the token, ape rows and plan row at once; then, once the
-  /// plan is back, every window slot; the token store and the pooling wait for them.
+  /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and
+  /// every window slot at once. The token store and the pooling come after all of them.
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();
