@@ -132,9 +132,9 @@ struct Kernels {
     }
   }
 
-  /// Loads kv and z of this warp's slots [first, first + N) of the window `src` describes. Every
-  /// load is independent of the others (no branch between them), so all are in flight at once.
-  /// Masked slots load nothing (their rows may not exist) and weigh exactly 0.
+  /// Loads kv and z of this warp's first N slots of the window `src` describes. Every load is
+  /// independent of the others (no branch between them), so all are in flight at once. Masked
+  /// slots never read their own rows (which may not exist) and weigh exactly 0.
   template <int N>
   static DSV4_DEV void load_window(const Params& p, const WindowSource& src, const Lane& lane, const Bias& bias,
                                    float (&kv)[kSlots][C], float (&z)[kSlots][C]) {
