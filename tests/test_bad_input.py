@@ -116,17 +116,15 @@ def _copy_args(decode: bool) -> dict:
 
 
 ENTRIES = {
-    "CompressorPrefillPlan.generate": Entry(lambda **kw: CompressorPrefillPlan.generate(**kw),
-                                            lambda: _paged(_prefill_tables())),
-    "CompressorPrefillPlan.generate_legacy": Entry(lambda **kw: CompressorPrefillPlan.generate_legacy(**kw),
+    "CompressorPrefillPlan.generate": Entry(CompressorPrefillPlan.generate, lambda: _paged(_prefill_tables())),
+    "CompressorPrefillPlan.generate_legacy": Entry(CompressorPrefillPlan.generate_legacy,
                                                    lambda: _legacy(_prefill_tables())),
-    "CompressorPrefillPlan.generate_online": Entry(lambda **kw: CompressorPrefillPlan.generate_online(**kw),
+    "CompressorPrefillPlan.generate_online": Entry(CompressorPrefillPlan.generate_online,
                                                    lambda: _prefill_tables(online=True)),
-    "CompressorDecodePlan.generate": Entry(lambda **kw: CompressorDecodePlan.generate(**kw),
-                                           lambda: _paged(_decode_tables())),
-    "CompressorDecodePlan.generate_legacy": Entry(lambda **kw: CompressorDecodePlan.generate_legacy(**kw),
+    "CompressorDecodePlan.generate": Entry(CompressorDecodePlan.generate, lambda: _paged(_decode_tables())),
+    "CompressorDecodePlan.generate_legacy": Entry(CompressorDecodePlan.generate_legacy,
                                                   lambda: _legacy(_decode_tables())),
-    "CompressorDecodePlan.generate_online": Entry(lambda **kw: CompressorDecodePlan.generate_online(**kw),
+    "CompressorDecodePlan.generate_online": Entry(CompressorDecodePlan.generate_online,
                                                   lambda: _decode_tables(online=True)),
     "CompressorPrefillPlan.copy_": Entry(lambda self, other: self.copy_(other), lambda: _copy_args(False)),
     "CompressorDecodePlan.copy_": Entry(lambda self, other: self.copy_(other), lambda: _copy_args(True)),

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
@@ -69,3 +70,14 @@ def explain(op: str, given: Mapping[str, object], tensor_names: Iterable[str] = 
         integer(op, name, given[name])
     for name in flag_names:
         flag(op, name, given[name])
+
+
+@contextmanager
+def explained(op: str, given: Mapping[str, object], tensor_names: Iterable[str] = (), optional: Iterable[str] = (),
+              int_names: Iterable[str] = (), flag_names: Iterable[str] = ()) -> Iterator[None]:
+    """A block whose TypeError or AttributeError is explained (`explain`) before it propagates."""
+    try:
+        yield
+    except (TypeError, AttributeError):
+        explain(op, given, tensor_names, optional, int_names, flag_names)
+        raise

@@ -164,37 +164,28 @@ class CompressorDecodePlan:
     def generate(cls, compress_ratio: int, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                  full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
                  use_req_ring: bool = False) -> "CompressorDecodePlan":
-        try:
+        with arguments.explained(_OP_DECODE, locals(), (*_DECODE_TENSORS, "req_to_token", "full_to_state"),
+                                 int_names=_PAGED_INTS, flag_names=("use_req_ring",)):
             plan_d = _decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens, swa_page_size,
                              ring_size, use_req_ring, False)
-        except (TypeError, AttributeError):
-            arguments.explain(_OP_DECODE, locals(), (*_DECODE_TENSORS, "req_to_token", "full_to_state"),
-                              int_names=_PAGED_INTS, flag_names=("use_req_ring",))
-            raise
         return cls(compress_ratio, plan_d)
 
     @classmethod
     def generate_legacy(cls, compress_ratio: int, req_pool_indices: torch.Tensor,
                         seq_lens: torch.Tensor) -> "CompressorDecodePlan":
         """Non-paged rings: c4 pages 2·rid and 2·rid+1, c128 page rid."""
-        try:
+        with arguments.explained(_OP_DECODE + "_legacy", locals(), _DECODE_TENSORS, int_names=("compress_ratio",)):
             plan_d = _decode(compress_ratio, req_pool_indices, None, None, seq_lens, 0, 0, False, True)
-        except (TypeError, AttributeError):
-            arguments.explain(_OP_DECODE + "_legacy", locals(), _DECODE_TENSORS, int_names=("compress_ratio",))
-            raise
         return cls(compress_ratio, plan_d)
 
     @classmethod
     def generate_online(cls, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                         state_slot_offset: int = 0) -> "CompressorDecodePlan":
         """Online c128 (contract §3.8): row b = {seq_len, rid + offset, rid + offset, -1} (state loaded and stored in place)."""
-        try:
+        with arguments.explained(_OP_DECODE + "_online", locals(), _DECODE_TENSORS, ("req_to_token",),
+                                 int_names=("state_slot_offset",)):
             plan_d = _plan_decode("decode_online", _OP_DECODE + "_online", (req_pool_indices, req_to_token),
                                   (state_slot_offset,), seq_lens)
-        except (TypeError, AttributeError):
-            arguments.explain(_OP_DECODE + "_online", locals(), _DECODE_TENSORS, ("req_to_token",),
-                              int_names=("state_slot_offset",))
-            raise
         return cls(128, plan_d)
 
 
@@ -240,14 +231,12 @@ class CompressorPrefillPlan:
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
                  swa_page_size: int, ring_size: int, num_q_tokens: int, use_cuda_graph: bool = False,
                  use_req_ring: bool = False) -> "CompressorPrefillPlan":
-        try:
+        with arguments.explained(_OP_PREFILL, locals(), (*_PREFILL_TENSORS, "req_to_token", "full_to_state"),
+                                 int_names=(*_PAGED_INTS, "num_q_tokens"),
+                                 flag_names=("use_cuda_graph", "use_req_ring")):
             plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token,
                                       full_to_state, swa_page_size, ring_size, num_q_tokens, use_cuda_graph,
                                       use_req_ring, False)
-        except (TypeError, AttributeError):
-            arguments.explain(_OP_PREFILL, locals(), (*_PREFILL_TENSORS, "req_to_token", "full_to_state"),
-                              int_names=(*_PAGED_INTS, "num_q_tokens"), flag_names=("use_cuda_graph", "use_req_ring"))
-            raise
         return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
 
     @classmethod
@@ -255,15 +244,12 @@ class CompressorPrefillPlan:
                         extend_lens: torch.Tensor, num_q_tokens: int, device=None,
                         use_cuda_graph: bool = False) -> "CompressorPrefillPlan":
         """Non-paged rings; plans go to `device` (default: where req_pool_indices lives)."""
-        try:
+        with arguments.explained(_OP_PREFILL + "_legacy", locals(), _PREFILL_TENSORS,
+                                 int_names=("compress_ratio", "num_q_tokens"), flag_names=("use_cuda_graph",)):
             if device is not None and torch.device(device) != req_pool_indices.device:
                 req_pool_indices = req_pool_indices.to(device)
             plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, None, None, 0, 0,
                                       num_q_tokens, use_cuda_graph, False, True)
-        except (TypeError, AttributeError):
-            arguments.explain(_OP_PREFILL + "_legacy", locals(), _PREFILL_TENSORS,
-                              int_names=("compress_ratio", "num_q_tokens"), flag_names=("use_cuda_graph",))
-            raise
         return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
 
     @classmethod
@@ -273,14 +259,11 @@ class CompressorPrefillPlan:
         """Online c128 (contract §3.8): each request's extend range split at 128-chunk boundaries into segments;
         plan_c holds the segments that close a chunk, plan_w the trailing partial ones (both 16-byte
         CompressPlan rows: buffer_len = segment length, read_page_0 = rid + offset, read_page_1 = rid)."""
-        try:
+        with arguments.explained(_OP_PREFILL + "_online", locals(), _PREFILL_TENSORS, ("req_to_token",),
+                                 int_names=("num_q_tokens", "state_slot_offset"), flag_names=("use_cuda_graph",)):
             plan_c, plan_w = _plan_prefill("prefill_online", _OP_PREFILL + "_online", (req_pool_indices, req_to_token),
                                            (state_slot_offset,), seq_lens, extend_lens, num_q_tokens,
                                            use_cuda_graph, plan_layout.COMPRESS_PLAN_BYTES)
-        except (TypeError, AttributeError):
-            arguments.explain(_OP_PREFILL + "_online", locals(), _PREFILL_TENSORS, ("req_to_token",),
-                              int_names=("num_q_tokens", "state_slot_offset"), flag_names=("use_cuda_graph",))
-            raise
         return cls(128, plan_c, plan_w, None, int(num_q_tokens))
 
 
