@@ -1,6 +1,15 @@
-"""Python-level argument checks of the public functions: what the kernels' own checks
-(csrc/common/tensor_check.h) cannot see or name. Messages take their form:
-``dsv4jit.<function>: argument '<name>' must be <expected>, got <actual>``.
+"""Argument checks shared by the public functions and the torch references: one module, so that
+a rule (the dtypes a state pool may have, an index range, a tensor's shape) is written once.
+
+* Scalars and argument types (`integer`, `flag`, `nonnegative`, `tensors`, `explain`): what the
+  kernels' own checks (csrc/common/tensor_check.h) cannot see or name. Messages take their form:
+  ``dsv4jit.<function>: argument '<name>' must be <expected>, got <actual>``.
+* Dtypes (`FLOAT_DTYPES`, `STATE_DTYPES`, `dtype_key`): what the kernels take, by our dtype names.
+* Tensors (`TensorCheck`): the rules and messages of tensor_check.h for the CPU paths that stand in
+  for a kernel.
+* Data (`dtype_in`, `in_range`, `distinct`): the references' checks, whose messages start with the
+  argument's name (``plan_w: write_loc must lie in ...``); `reworded` turns such a message into the
+  public function's (``dsv4jit.<function>: argument 'plan' (plan_w): ...``).
 
 Hot paths pay for no more than a type test per scalar: tensor arguments are checked by the kernel
 call (or the CPU path) that uses them, and when that fails with a TypeError or AttributeError
@@ -11,6 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -81,3 +91,116 @@ def explained(op: str, given: Mapping[str, object], tensor_names: Iterable[str] 
     except (TypeError, AttributeError):
         explain(op, given, tensor_names, optional, int_names, flag_names)
         raise
+
+
+# ----------------------------------------------------------------------------------------------
+# Dtypes
+
+_DTYPE_NAMES = {torch.float32: ("fp32", "float32"), torch.bfloat16: ("bf16", "bfloat16"),
+                torch.float16: ("fp16", "float16")}
+#: Inputs and outputs of the compressors (kv_score_input, out).
+FLOAT_DTYPES = tuple(_DTYPE_NAMES)
+#: State pools, and every row the store step reads.
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dtype_names(allowed: Iterable[torch.dtype]) -> str:
+    """``float32, bfloat16 or float16``."""
+    words = [str(d).removeprefix("torch.") for d in allowed]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def dtype_key(dtype: torch.dtype, op: str, arg: str, allowed: tuple = FLOAT_DTYPES) -> str:
+    """The kernel-parameter name of `dtype` (``fp32``, ``bf16``, ``fp16``); TypeError naming the
+    argument if it is not `allowed`."""
+    if dtype in allowed:
+        return _DTYPE_NAMES[dtype][0]
+    raise TypeError(f"dsv4jit.{op}: argument '{arg}': dtype must be {dtype_names(allowed)}, got {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors, as the kernels check them
+
+
+class TensorCheck:
+    """The checks of csrc/common/tensor_check.h for a CPU path: shape (symbolic sizes bind on first
+    use and must match later), dtype, contiguity, alignment; the same messages."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self.sizes: dict[str, tuple[int, str]] = {}
+
+    def _fail(self, exc, arg: str, what: str):
+        raise exc(f"dsv4jit.{self.op}: argument '{arg}': {what}")
+
+    def __call__(self, arg: str, t: torch.Tensor, shape: tuple, dtypes: tuple, align: int = 16) -> None:
+        if t.dim() != len(shape):
+            self._fail(ValueError, arg, f"must have {len(shape)} dimensions, got {t.dim()} (shape {list(t.shape)})")
+        for i, (want, got) in enumerate(zip(shape, t.shape)):
+            if isinstance(want, str):
+                bound, by = self.sizes.setdefault(want, (got, arg))
+                if bound != got:
+                    self._fail(ValueError, arg, f"dim {i} ('{want}') must be {bound} (as in '{by}'), got {got}")
+            elif want != got:
+                self._fail(ValueError, arg, f"dim {i} must be {want}, got {got} (shape {list(t.shape)})")
+        if t.dtype not in dtypes:
+            self._fail(TypeError, arg, f"dtype must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        if not t.is_contiguous():
+            self._fail(ValueError, arg, "must be contiguous (row-major)")
+        if t.data_ptr() % align:
+            self._fail(ValueError, arg, f"data pointer must be {align}-byte aligned")
+
+    def bound(self, name: str) -> int:
+        """The value a symbolic size was bound to."""
+        return self.sizes[name][0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The references' checks: messages lead with the argument's name
+
+
+def dtype_in(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype], why: str = "") -> None:
+    """TypeError unless `t`'s dtype is one of `allowed` (`why`: a condition, e.g. ``(online c128)``)."""
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: expected dtype {dtype_names(allowed)}{why}, got {t.dtype}")
+
+
+def in_range(name: str, what: str, values, size: int, of: str = "") -> None:
+    """ValueError unless every entry of `values` (a tensor or an int) lies in [0, size); `of` names
+    what the range indexes. Advanced indexing wraps negative indices silently, and a malformed plan
+    must not read a wrong row."""
+    where = f" ({of})" if of else ""
+    if isinstance(values, int):
+        if not 0 <= values < size:
+            raise ValueError(f"{name}: {what} must lie in [0, {size}){where}, got {values}")
+    elif values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
+        raise ValueError(f"{name}: {what} must lie in [0, {size}){where}, got range [{int(values.min())}, "
+                         f"{int(values.max())}]")
+
+
+def distinct(name: str, values: torch.Tensor, what: str) -> None:
+    """ValueError if two entries of `values` are equal (`what`: what two such rows do)."""
+    if values.numel() != torch.unique(values).numel():
+        raise ValueError(f"{name}: two rows {what}")
+
+
+_NAMED_OP = re.compile(r"dsv4jit\.[\w.]+")
+
+
+def reworded(op: str, error: Exception, names: Iterable[str], fields: Mapping[str, str] | None = None) -> Exception:
+    """`error` as public function `op` reports it: a message already naming a function gets `op`'s
+    name; one leading with an argument in `names` names that argument; one leading with a key of
+    `fields` (a field of an argument, as ``plan_w`` of ``plan``) names the argument and the field."""
+    text = str(error)
+    if text.startswith("dsv4jit."):
+        text = _NAMED_OP.sub(f"dsv4jit.{op}", text, count=1)
+    else:
+        name = re.match(r"\w*", text).group()
+        if fields and name in fields:
+            text = f"dsv4jit.{op}: argument '{fields[name]}' ({name}){text[len(name):]}"
+        elif name and name in names:
+            text = f"dsv4jit.{op}: argument '{name}'{text[len(name):]}"
+        else:
+            text = f"dsv4jit.{op}: {text}"
+    return type(error)(text)

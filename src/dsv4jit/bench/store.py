@@ -11,18 +11,15 @@ from __future__ import annotations
 import torch
 
 from .. import plan_layout
+from ..geometry import format_head_dim, page_bytes, written_bytes
 from ..ops import compress_norm_rope_store
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from ..reference.store import page_bytes
 from . import timing
-
-_TOKEN_BYTES = {"v4_fp8": 576 + 7, "indexer_fp8": 132, "indexer_fp4": 68}
-
 
 class Case:
     def __init__(self, fmt: str, rows: int, decode: bool, page_size: int = 64, ratio: int = 4):
         dev = torch.device("cuda")
-        hd = 512 if fmt.startswith("v4") else 128
+        hd = format_head_dim(fmt)
         self.kv = torch.randn(rows, hd, device=dev)
         self.weight = torch.rand(hd, device=dev) + 0.5
         max_pos = 1 << 16
@@ -47,7 +44,7 @@ class Case:
             self.out_loc[ragged] = locs
             self.out_loc = self.out_loc.to(dev)
         self.fmt, self.page_size, self.use_fp4 = fmt, page_size, fmt == "indexer_fp4"
-        self.bytes = rows * (hd * 4 + _TOKEN_BYTES[fmt] + 16 + 8 + 64 * 4) + hd * 4
+        self.bytes = rows * (hd * 4 + written_bytes(fmt) + 16 + 8 + 64 * 4) + hd * 4
 
     def __call__(self):
         compress_norm_rope_store(self.kv, self.plan, norm_weight=self.weight, norm_eps=1e-6, freq_cis=self.freq,

@@ -17,16 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reference import store as layout
+from .. import geometry
 from ..reference.store import read_cache
 
-#: (data row stride, data bytes, scale row stride, scale bytes) of one token in its page (contract §6.5);
-#: byte 7 of a V4 scale row is padding that no one writes.
-_SPANS = {
-    "v4_fp8": (layout.V4_DATA_BYTES, layout.V4_DATA_BYTES, layout.V4_SCALE_BYTES, layout.V4_NOPE_DIM // layout.V4_TILE),
-    "indexer_fp8": (layout.INDEXER_FP8_DATA_BYTES,) * 2 + (layout.INDEXER_FP8_SCALE_BYTES,) * 2,
-    "indexer_fp4": (layout.INDEXER_FP4_DATA_BYTES,) * 2 + (layout.INDEXER_FP4_SCALE_BYTES,) * 2,
-}
+
+def _span(fmt: str) -> tuple[int, int, int, int]:
+    """(data row stride, data bytes, scale row stride, scale bytes) of one token in its page (contract §6.5):
+    the bytes the store writes; byte 7 of a V4 scale row is padding that no one writes."""
+    data, scales = geometry.token_bytes(fmt)
+    return data, data, scales, geometry.written_bytes(fmt) - data
+
+
+_SPANS = {fmt: _span(fmt) for fmt in ("v4_fp8", "indexer_fp8", "indexer_fp4")}
 #: Largest share of stored values allowed to differ (a flipped UE8M0 scale moves a whole 64- or 32-value tile).
 FLIP_FRACTION = {"v4_fp8": 5e-3, "indexer_fp8": 5e-3, "indexer_fp4": 2e-2}
 

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..geometry import ROPE_DIM, page_bytes
 from ..ops import compress_and_store, compress_forward, compress_norm_rope_store
-from ..reference.store import page_bytes
 from .pool import SWA_PAGE, PagedPool
 
 NORM_EPS = 1e-6          # rms_norm_eps
 ROPE_THETA = 40000.0     # compress_rope_theta
-ROPE_DIM = 64
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ class CompressorSpec:
     name: str
     ratio: int
     head_dim: int
-    store: str  # cache format (reference.store.FORMATS)
+    store: str  # cache format (geometry.FORMATS)
 
     @property
     def ring_size(self) -> int:

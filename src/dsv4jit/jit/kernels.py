@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..geometry import FORMATS
 from .registry import KernelSpec, Param
 
 PDL = Param("pdl", "bool", (False, True))
@@ -66,7 +67,7 @@ def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, .
 COMPRESS_C4 = _compress(4, (128, 256, 512), (512, 128))
 COMPRESS_C128 = _compress(128, (64, 128, 256, 512), (512,))
 
-STORE_FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
+STORE_FORMATS = FORMATS  # in the order of dsv4::store::Format
 _FORMAT_CPP = tuple(f"dsv4::store::Format::k{n}" for n in ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4"))
 STORE_FORMAT = Param("format", "enum", STORE_FORMATS, _FORMAT_CPP)
 V4_FORMAT = Param("format", "enum", STORE_FORMATS[:2], _FORMAT_CPP[:2])  # the latent formats (head_dim 512)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4jit.arguments import distinct, in_range
 from dsv4jit.plan_layout import LegacyRows, decode_legacy_plan, encode_legacy_plan
 from dsv4jit.reference.compress import window_softmax
 
@@ -42,19 +43,12 @@ _OVERLAP_SLOTS = 4
 # ----------------------------------------------------------------------------------------------
 
 def _check_range(name: str, values: torch.Tensor, size: int) -> None:
-    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
-        raise ValueError(f"{name}: entries must lie in [0, {size}), got range [{int(values.min())}, "
-                         f"{int(values.max())}]")
+    in_range(name, "entries", values, size)
 
 
 def _check_true(name: str, ok: torch.Tensor, what: str) -> None:
     if not bool(ok.all()):
         raise ValueError(f"{name}: {what} (rows {torch.nonzero(~ok).flatten()[:8].tolist()})")
-
-
-def _check_distinct(name: str, values: torch.Tensor, what: str) -> None:
-    if values.numel() != torch.unique(values).numel():
-        raise ValueError(f"{name}: two rows {what}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +140,7 @@ def c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indic
     _check_true("compress_plan", window_len < _SLOTS, "window_len must be < 8")
     _check_true("compress_plan", position % 4 == 3, "position must close a window (position % 4 == 3)")
     _check_range("compress_plan ragged_id", ragged_c, num_tokens)
-    _check_distinct("compress_plan", ragged_c, "name the same ragged_id (output row)")
+    distinct("compress_plan", ragged_c, "name the same ragged_id (output row)")
     L = position + 1
     slot = torch.arange(_SLOTS, device=device)[None, :]
     masked = _first_window(L)
@@ -173,7 +167,7 @@ def c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indic
     else:
         write_row = index[b] * 8 + position % 8
     _check_range("kv_score_buffer rows written (indices / extra pages)", write_row, flat.shape[0])
-    _check_distinct("write_plan", write_row, "write the same state row")
+    distinct("write_plan", write_row, "write the same state row")
 
     # 1. Compress: reads the state as it was before this step's writes.
     if ragged_c.numel():

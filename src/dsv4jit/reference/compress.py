@@ -1,26 +1,38 @@
-"""Pure-PyTorch reference of the compress ops (contract §4: c4 and c128; contract §5.2: online c128 math).
+"""Pure-PyTorch reference of the compress ops (contract §4: c4 and c128).
 
 Everything here is written from docs/contract.md: windows are gathered per compress event exactly as
 contract §4.2 / contract §4.3 describe, pooled with the window softmax of contract §4.1, and the state
 ring is updated in the order contract §4.4 / contract §4.5 prescribe. Tensors may live on any device;
 the math runs there with plain torch ops.
 
-State rows and input rows share one layout (``last_dim`` values per token):
+State rows and input rows share one layout (``last_dim`` values per token, ``dsv4jit.geometry``):
 
 * c4   (R = 4,   Wn = 8):   kv_overlap | kv | score_overlap | score   (4·hd)
 * c128 (R = 128, Wn = 128): kv | score                                 (2·hd)
 
 Window slot ``s`` of the event closing at position ``p`` holds position ``p − Wn + 1 + s``.
+The online c128 math (``online_reset`` ... ``online_state_from_row``) lives in reference/online.py;
+this module keeps those names importable for callers of its earlier API.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, in_range
+from dsv4jit.geometry import check_ratio, head_dim_multiple, row_width, window_size
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
+from dsv4jit.reference.online import (
+    OnlineState,
+    online_merge,
+    online_pool,
+    online_reset,
+    online_state_from_row,
+    online_state_to_row,
+    online_update,
+)
 
 __all__ = [
     "compress_prefill",
@@ -38,31 +50,18 @@ __all__ = [
     "online_state_from_row",
 ]
 
-_BUFFER_DTYPES = (torch.float32, torch.bfloat16)
-_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: c4 slots 0–3 play the "overlap" role (previous block), slots 4–7 the "current" role.
 _C4_OVERLAP_SLOTS = 4
 
 
 # ----------------------------------------------------------------------------------------------
-# Geometry and argument checks
+# Argument checks
 # ----------------------------------------------------------------------------------------------
 
-def window_size(compress_ratio: int) -> int:
-    """Wn: 8 for c4 (overlapping windows), 128 for c128."""
-    return 2 * compress_ratio if compress_ratio == 4 else compress_ratio
-
-
-def row_width(head_dim: int, compress_ratio: int) -> int:
-    """Values per state/input row: 4·hd for c4, 2·hd for c128."""
-    return (4 if compress_ratio == 4 else 2) * head_dim
-
-
 def _check_geometry(head_dim: int, compress_ratio: int) -> None:
-    if compress_ratio not in (4, 128):
-        raise ValueError(f"compress_ratio: expected 4 or 128, got {compress_ratio}")
-    # The kernels' channel tiling (contract §8.3); the reference holds callers to the same contract.
-    multiple = 128 if compress_ratio == 4 else 64
+    check_ratio(compress_ratio)
+    # The kernels' channel tiling; the reference holds callers to the same contract.
+    multiple = head_dim_multiple(compress_ratio)
     if head_dim <= 0 or head_dim % multiple:
         raise ValueError(f"head_dim: expected a positive multiple of {multiple} for c{compress_ratio}, got {head_dim}")
 
@@ -70,14 +69,11 @@ def _check_geometry(head_dim: int, compress_ratio: int) -> None:
 def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compress_ratio, out_rows):
     last_dim = row_width(head_dim, compress_ratio)
     wn = window_size(compress_ratio)
-    if kv_score_buffer.dtype not in _BUFFER_DTYPES:
-        raise TypeError(f"kv_score_buffer: expected dtype float32 or bfloat16, got {kv_score_buffer.dtype}")
-    if kv_score_input.dtype not in _IO_DTYPES:
-        raise TypeError(f"kv_score_input: expected dtype float32/bfloat16/float16, got {kv_score_input.dtype}")
+    dtype_in("kv_score_buffer", kv_score_buffer, STATE_DTYPES)
+    dtype_in("kv_score_input", kv_score_input, FLOAT_DTYPES)
     if ape.dtype != kv_score_input.dtype:
         raise TypeError(f"ape: expected the input dtype {kv_score_input.dtype}, got {ape.dtype}")
-    if out.dtype not in _IO_DTYPES:
-        raise TypeError(f"out: expected dtype float32/bfloat16/float16, got {out.dtype}")
+    dtype_in("out", out, FLOAT_DTYPES)
     if kv_score_buffer.shape[-1] != last_dim or kv_score_buffer.numel() % (compress_ratio * last_dim):
         raise ValueError(f"kv_score_buffer: expected shape [pages, {compress_ratio}, {last_dim}], "
                          f"got {list(kv_score_buffer.shape)}")
@@ -91,19 +87,6 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
     if len(devices) != 1:
         raise TypeError(f"kv_score_buffer, kv_score_input, ape, out: expected one device, "
                         f"got {sorted(map(str, devices))}")
-
-
-def _check_index_range(plan: str, what: str, index: torch.Tensor, size: int, of: str) -> None:
-    # Advanced indexing wraps negative indices silently; a malformed plan must not read a wrong row.
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
-        raise ValueError(f"{plan}: {what} must lie in [0, {size}) (the rows of {of}), got range "
-                         f"[{int(index.min())}, {int(index.max())}]")
-
-
-def _check_distinct(plan: str, index: torch.Tensor) -> None:
-    # contract §4.4: no two valid writes of one step target the same state row, so writes are order-free.
-    if index.numel() != torch.unique(index).numel():
-        raise ValueError(f"{plan}: two rows write the same state row (write_loc)")
 
 
 def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
@@ -168,10 +151,10 @@ def _window_sources(plan: str, flat_state, kv_score_input, *, seq_len, ragged_id
     input_row = ragged_id[:, None] - (wn - 1) + slot
 
     w = _Windows(masked, from_state, from_input, state_row[from_state], input_row[from_input])
-    _check_index_range(plan, "the state rows it reads (read_page_0, read_page_1)", w.state_index, flat_state.shape[0],
-                       "kv_score_buffer")
-    _check_index_range(plan, "the input rows it reads (ragged_id)", w.input_index, kv_score_input.shape[0],
-                       "kv_score_input")
+    in_range(plan, "the state rows it reads (read_page_0, read_page_1)", w.state_index, flat_state.shape[0],
+             "the rows of kv_score_buffer")
+    in_range(plan, "the input rows it reads (ragged_id)", w.input_index, kv_score_input.shape[0],
+             "the rows of kv_score_input")
     return w
 
 
@@ -227,9 +210,10 @@ def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, he
                               compress_ratio=compress_ratio)
     write = w.valid
     ragged_id, write_loc = w.ragged_id[write].to(device), w.write_loc[write].to(device)
-    _check_index_range("plan_w", "ragged_id", ragged_id, kv_score_input.shape[0], "kv_score_input")
-    _check_index_range("plan_w", "write_loc", write_loc, flat.shape[0], "kv_score_buffer")
-    _check_distinct("plan_w", write_loc)
+    in_range("plan_w", "ragged_id", ragged_id, kv_score_input.shape[0], "the rows of kv_score_input")
+    in_range("plan_w", "write_loc", write_loc, flat.shape[0], "the rows of kv_score_buffer")
+    # contract §4.4: no two valid writes of one step target the same state row, so writes are order-free.
+    distinct("plan_w", write_loc, "write the same state row (write_loc)")
     # Every row either pass touches is checked above: a bad plan writes nothing.
 
     # 1. Compress. Everything is gathered before any write below: the compress reads the ring as it
@@ -266,7 +250,7 @@ def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, c
     wn = window_size(compress_ratio)
 
     write_loc = d.write_loc.to(device)
-    _check_index_range("plan_d", "write_loc", write_loc, flat.shape[0], "kv_score_buffer")
+    in_range("plan_d", "write_loc", write_loc, flat.shape[0], "the rows of kv_score_buffer")
     if compress_ratio == 4:
         boundary = d.seq_len % 4 == 0
     else:
@@ -314,61 +298,3 @@ def event_window_reference(history: torch.Tensor, p: int, ape: torch.Tensor, *, 
     kv, score = _split_roles(rows, head_dim, R)
     score = score.masked_fill(~present[:, None], float("-inf"))
     return window_softmax(kv, score, ape, dtype=torch.float64)
-
-
-# ----------------------------------------------------------------------------------------------
-# Online c128 running state (contract §5.1, contract §5.2): (m, s, k) per channel
-# ----------------------------------------------------------------------------------------------
-
-class OnlineState(NamedTuple):
-    """Running softmax state: max m (bias included), sum s = Σ exp(z − m), normalized average k."""
-    m: torch.Tensor
-    s: torch.Tensor
-    k: torch.Tensor
-
-
-def online_reset(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
-    """State after the first token of a 128-chunk (chunk position 0): (m = z, s = 1, k = kv)."""
-    z = score_plus_ape
-    return OnlineState(z.clone(), torch.ones_like(z), kv.to(z.dtype).clone())
-
-
-def online_update(state: OnlineState, kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
-    """Fold one token (kv, z = score + ape[pos mod 128]) into the state."""
-    z = score_plus_ape
-    m_new = torch.maximum(state.m, z)
-    a = state.s * torch.exp(state.m - m_new)
-    b = torch.exp(z - m_new)
-    s_new = a + b
-    return OnlineState(m_new, s_new, (state.k * a + kv.to(z.dtype) * b) / s_new)
-
-
-def online_merge(first: OnlineState, second: OnlineState) -> OnlineState:
-    """Combine two partial states over disjoint token sets (the update with b = s2·exp(m2 − m'))."""
-    m_new = torch.maximum(first.m, second.m)
-    a = first.s * torch.exp(first.m - m_new)
-    b = second.s * torch.exp(second.m - m_new)
-    s_new = a + b
-    return OnlineState(m_new, s_new, (first.k * a + second.k * b) / s_new)
-
-
-def online_pool(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
-    """Partial state of a segment ``[n ≥ 1, hd]``: reset on its first token, then update token by token."""
-    state = online_reset(kv[0], score_plus_ape[0])
-    for t in range(1, kv.shape[0]):
-        state = online_update(state, kv[t], score_plus_ape[t])
-    return state
-
-
-def online_state_to_row(state: OnlineState, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The state row layout of contract §5.1: m | s | k (``3·hd`` values), optionally cast (e.g. to a bf16 state)."""
-    row = torch.cat([state.m, state.s, state.k], dim=-1)
-    return row if dtype is None else row.to(dtype)
-
-
-def online_state_from_row(row: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float64) -> OnlineState:
-    """Split a ``[..., 3·hd]`` state row into (m, s, k), converted to ``dtype`` for the math."""
-    if row.shape[-1] != 3 * head_dim:
-        raise ValueError(f"row: expected last dimension {3 * head_dim}, got {row.shape[-1]}")
-    row = row.to(dtype)
-    return OnlineState(row[..., :head_dim], row[..., head_dim:2 * head_dim], row[..., 2 * head_dim:])

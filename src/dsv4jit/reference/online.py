@@ -14,30 +14,83 @@ state is reset at chunk offset 0 and the pooled row is emitted when offset 127 h
   of ``read_page_1`` (``read_page_0`` if ``read_page_1 < 0``). plan_c rows (run first) write the pooled
   ``k`` to output row i; plan_w rows (run second) store the state into ``read_page_0``.
 
-A segment's partial state is computed in closed form (max, then one exp per token), which is the
-sequential update of contract §5.2 regrouped exactly (``online_pool`` of reference/compress.py is the literal
-token-by-token form; tests check they agree).
+The state math of contract §5.2 is here too: ``online_reset`` / ``online_update`` (one token),
+``online_merge`` (two partial states), ``online_pool`` (the literal token-by-token form of a segment)
+and the state row codec. A segment's partial state is computed in closed form (``segment_state``:
+max, then one exp per token), which is the sequential update regrouped exactly (tests check that
+they agree).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range
+from dsv4jit.geometry import CHUNK, online_input_width, online_state_width
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan
-from dsv4jit.reference.compress import (
-    OnlineState,
-    online_merge,
-    online_reset,
-    online_state_from_row,
-    online_state_to_row,
-    online_update,
-)
 
-__all__ = ["CHUNK", "online_decode", "online_prefill", "segment_state"]
+__all__ = ["CHUNK", "OnlineState", "online_decode", "online_merge", "online_pool", "online_prefill", "online_reset",
+           "online_state_from_row", "online_state_to_row", "online_update", "segment_state"]
 
-#: Tokens per compressed row (the ratio): the state restarts every CHUNK positions.
-CHUNK = 128
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+# ----------------------------------------------------------------------------------------------
+# Running state (contract §5.1, contract §5.2): (m, s, k) per channel
+# ----------------------------------------------------------------------------------------------
+
+class OnlineState(NamedTuple):
+    """Running softmax state: max m (bias included), sum s = Σ exp(z − m), normalized average k."""
+    m: torch.Tensor
+    s: torch.Tensor
+    k: torch.Tensor
+
+
+def online_reset(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
+    """State after the first token of a 128-chunk (chunk position 0): (m = z, s = 1, k = kv)."""
+    z = score_plus_ape
+    return OnlineState(z.clone(), torch.ones_like(z), kv.to(z.dtype).clone())
+
+
+def online_update(state: OnlineState, kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
+    """Fold one token (kv, z = score + ape[pos mod 128]) into the state."""
+    z = score_plus_ape
+    m_new = torch.maximum(state.m, z)
+    a = state.s * torch.exp(state.m - m_new)
+    b = torch.exp(z - m_new)
+    s_new = a + b
+    return OnlineState(m_new, s_new, (state.k * a + kv.to(z.dtype) * b) / s_new)
+
+
+def online_merge(first: OnlineState, second: OnlineState) -> OnlineState:
+    """Combine two partial states over disjoint token sets (the update with b = s2·exp(m2 − m'))."""
+    m_new = torch.maximum(first.m, second.m)
+    a = first.s * torch.exp(first.m - m_new)
+    b = second.s * torch.exp(second.m - m_new)
+    s_new = a + b
+    return OnlineState(m_new, s_new, (first.k * a + second.k * b) / s_new)
+
+
+def online_pool(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
+    """Partial state of a segment ``[n ≥ 1, hd]``: reset on its first token, then update token by token."""
+    state = online_reset(kv[0], score_plus_ape[0])
+    for t in range(1, kv.shape[0]):
+        state = online_update(state, kv[t], score_plus_ape[t])
+    return state
+
+
+def online_state_to_row(state: OnlineState, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The state row layout of contract §5.1: m | s | k (``3·hd`` values), optionally cast (e.g. to a bf16 state)."""
+    row = torch.cat([state.m, state.s, state.k], dim=-1)
+    return row if dtype is None else row.to(dtype)
+
+
+def online_state_from_row(row: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float64) -> OnlineState:
+    """Split a ``[..., 3·hd]`` state row into (m, s, k), converted to ``dtype`` for the math."""
+    if row.shape[-1] != online_state_width(head_dim):
+        raise ValueError(f"row: expected last dimension {online_state_width(head_dim)}, got {row.shape[-1]}")
+    row = row.to(dtype)
+    return OnlineState(row[..., :head_dim], row[..., head_dim:2 * head_dim], row[..., 2 * head_dim:])
 
 
 def segment_state(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState:
@@ -51,18 +104,16 @@ def segment_state(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState
 def _check(state, inputs, ape, out, head_dim, out_rows):
     if head_dim <= 0 or head_dim % 64:
         raise ValueError(f"head_dim: expected a positive multiple of 64, got {head_dim}")
-    if state.dtype not in _STATE_DTYPES:
-        raise TypeError(f"kv_score_buffer: expected dtype float32 or bfloat16, got {state.dtype}")
-    for name, t in (("kv_score_input", inputs), ("ape", ape)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}: expected dtype float32 (online c128), got {t.dtype}")
-    if out.dtype not in (torch.float32, torch.float64):  # fp64: the tests' model output
-        raise TypeError(f"out: expected dtype float32 (or float64), got {out.dtype}")
-    if state.shape[-1] != 3 * head_dim or not state.is_contiguous():
-        raise ValueError(f"kv_score_buffer: expected a contiguous [rows, 1, {3 * head_dim}] (or flat) state, "
+    dtype_in("kv_score_buffer", state, STATE_DTYPES)
+    dtype_in("kv_score_input", inputs, (torch.float32,), " (online c128)")
+    dtype_in("ape", ape, (torch.float32,), " (online c128)")
+    dtype_in("out", out, (torch.float32, torch.float64))  # fp64: the tests' model output
+    width, input_width = online_state_width(head_dim), online_input_width(head_dim)
+    if state.shape[-1] != width or not state.is_contiguous():
+        raise ValueError(f"kv_score_buffer: expected a contiguous [rows, 1, {width}] (or flat) state, "
                          f"got shape {list(state.shape)}")
-    if inputs.dim() != 2 or inputs.shape[1] != 2 * head_dim:
-        raise ValueError(f"kv_score_input: expected shape [rows, {2 * head_dim}], got {list(inputs.shape)}")
+    if inputs.dim() != 2 or inputs.shape[1] != input_width:
+        raise ValueError(f"kv_score_input: expected shape [rows, {input_width}], got {list(inputs.shape)}")
     if list(ape.shape) != [CHUNK, head_dim]:
         raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     if list(out.shape) != [out_rows, head_dim]:
@@ -70,8 +121,7 @@ def _check(state, inputs, ape, out, head_dim, out_rows):
 
 
 def _check_slot(plan: str, what: str, slot: int, rows: int) -> None:
-    if not 0 <= slot < rows:
-        raise ValueError(f"{plan}: {what} must lie in [0, {rows}) (the state rows of kv_score_buffer), got {slot}")
+    in_range(plan, what, slot, rows, "the state rows of kv_score_buffer")
 
 
 def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out, dtype=torch.float32):
@@ -81,7 +131,7 @@ def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out
         raise ValueError(f"kv_score_input: expected {plan_d.shape[0]} rows (plan_d rows), "
                          f"got {kv_score_input.shape[0]}")
     d = decode_decode_plan(plan_d)
-    flat = kv_score_buffer.view(-1, 3 * head_dim)
+    flat = kv_score_buffer.view(-1, online_state_width(head_dim))
     chunk_pos = [(int(seq_len) - 1) % CHUNK for seq_len in d.seq_len]
     for b, c in enumerate(chunk_pos):  # every slot checked before anything is written
         if c != 0:
@@ -126,7 +176,7 @@ def _segments(name: str, plan: torch.Tensor, inputs, ape, flat, head_dim, dtype)
 def online_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head_dim, out, dtype=torch.float32):
     """One prefill step: compress pass (plan_c -> out rows), then write pass (plan_w -> state); returns ``out``."""
     _check(kv_score_buffer, kv_score_input, ape, out, head_dim, plan_c.shape[0])
-    flat = kv_score_buffer.view(-1, 3 * head_dim)
+    flat = kv_score_buffer.view(-1, online_state_width(head_dim))
     # Every stored state is read (by both passes' merges) before any is written, and every row
     # checked before anything is written.
     pooled = _segments("plan_c", plan_c, kv_score_input, ape, flat, head_dim, dtype)

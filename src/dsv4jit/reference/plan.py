@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from dsv4jit.geometry import check_ratio, window_size
 from dsv4jit.plan_layout import (
     decode_compress_plan,
     decode_write_plan,
@@ -80,13 +81,8 @@ def _lookup(table: torch.Tensor, index: tuple[int, ...], name: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Geometry and addressing (contract §1.2, contract §3.1, contract §3.3)
+# Addressing (contract §3.1, contract §3.3; window_size: dsv4jit.geometry)
 # ---------------------------------------------------------------------------------------------
-
-def window_size(compress_ratio: int) -> int:
-    """Wn: 8 for c4 (overlapping windows of two 4-token blocks), 128 for c128."""
-    return 2 * compress_ratio if compress_ratio == 4 else compress_ratio
-
 
 def mtp_pad_for(compress_ratio: int, ring_size: int) -> int:
     """Trailing tokens the paged planner keeps resident for speculative rollback (0 without spec)."""
@@ -217,11 +213,6 @@ def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor
 # Checks (contract §8.2, contract §9.2)
 # ---------------------------------------------------------------------------------------------
 
-def _check_ratio(compress_ratio: int) -> None:
-    if compress_ratio not in (4, 128):
-        raise ValueError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
-
-
 def _check_ring(compress_ratio: int, swa_page_size: int, ring_size: int, use_req_ring: bool) -> None:
     if use_req_ring and compress_ratio != 4:
         raise ValueError(f"use_req_ring requires compress_ratio == 4, got compress_ratio={compress_ratio}")
@@ -292,7 +283,7 @@ def plan_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: 
                  use_req_ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged prefill plan (contract §3): (plan_c [Nc,16], plan_w [Nw,8]), or num_q_tokens rows each
     with ``use_cuda_graph`` (padding rows are the invalid sentinel)."""
-    _check_ratio(compress_ratio)
+    check_ratio(compress_ratio)
     _check_ring(compress_ratio, swa_page_size, ring_size, use_req_ring)
     req_to_token, full_to_state = _tables(req_to_token, full_to_state)
     rids, lens = _batch_lists(req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens)
@@ -311,7 +302,7 @@ def plan_prefill_legacy(compress_ratio: int, req_pool_indices: torch.Tensor, seq
                         extend_lens: torch.Tensor, num_q_tokens: int,
                         use_cuda_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Legacy (non-paged) prefill plan: no mtp_pad, no page-tail rule, every compress row translated."""
-    _check_ratio(compress_ratio)
+    check_ratio(compress_ratio)
     rids, lens = _batch_lists(req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens)
     num_q_tokens = _check_prefill_batch(lens["seq_lens"], lens["extend_lens"], num_q_tokens)
 
@@ -325,7 +316,7 @@ def plan_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_toke
                 full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
                 use_req_ring: bool = False) -> torch.Tensor:
     """Paged decode plan (contract §3.7): one row per request; the current token is at seq_len - 1."""
-    _check_ratio(compress_ratio)
+    check_ratio(compress_ratio)
     _check_ring(compress_ratio, swa_page_size, ring_size, use_req_ring)
     req_to_token, full_to_state = _tables(req_to_token, full_to_state)
     rids, lens = _batch_lists(req_pool_indices, seq_lens=seq_lens)
@@ -348,7 +339,7 @@ def plan_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_toke
 
 def plan_decode_legacy(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Legacy decode plan: state rows / pages from the legacy scheme of contract §3.1."""
-    _check_ratio(compress_ratio)
+    check_ratio(compress_ratio)
     rids, lens = _batch_lists(req_pool_indices, seq_lens=seq_lens)
     _check_decode_seq_lens(lens["seq_lens"])
 

@@ -9,7 +9,9 @@ each processed row into a paged byte cache (contract §6.5). Formats:
 * ``"indexer_fp8"`` hd 128: 128 e4m3 + one fp32 scale per token (contract §6.9)
 * ``"indexer_fp4"`` hd 128: 64 packed fp4 bytes + 4 UE8M0 scales per token (contract §6.10)
 
-The cache is a 2-D ``uint8`` tensor, one page per row. A location ``loc`` lives in page
+The byte geometry of each format (and ``page_bytes``, ``store_format``) is ``dsv4jit.geometry``'s,
+imported here under the names this module has always offered. The cache is a 2-D ``uint8`` tensor,
+one page per row. A location ``loc`` lives in page
 ``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes contract §6.5
 assigns to a token and nothing else (notably byte 7 of a V4 scale row stays as it was).
 
@@ -22,6 +24,27 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arguments import FLOAT_DTYPES, dtype_in
+from ..geometry import (  # noqa: F401  (the format constants are this module's API too)
+    BF16_TOKEN_BYTES,
+    FORMATS,
+    INDEXER_FP4_DATA_BYTES,
+    INDEXER_FP4_GROUP,
+    INDEXER_FP4_SCALE_BYTES,
+    INDEXER_FP8_DATA_BYTES,
+    INDEXER_FP8_SCALE_BYTES,
+    INDEXER_HEAD_DIM,
+    ROPE_DIM,
+    V4_DATA_BYTES,
+    V4_HEAD_DIM,
+    V4_NOPE_DIM,
+    V4_SCALE_BYTES,
+    V4_TILE,
+    V4_TOKEN_BYTES,
+    check_ratio,
+    page_bytes,
+    store_format,
+)
 from ..plan_layout import decode_compress_plan, decode_decode_plan
 from .quant import (
     E4M3_MAX,
@@ -38,62 +61,11 @@ from .quant import (
     ue8m0_scale,
 )
 
-FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
-ROPE_DIM = 64
-
-V4_HEAD_DIM = 512
-V4_NOPE_DIM = 448             # dims 0..447: e4m3; dims 448..511: bf16 rope
-V4_TILE = 64                  # one UE8M0 scale per 64 nope dims -> 7 scales
-V4_DATA_BYTES = 576           # 448 e4m3 + 64 bf16
-V4_SCALE_BYTES = 8            # 7 exponents + 1 padding byte that is never written
-V4_TOKEN_BYTES = V4_DATA_BYTES + V4_SCALE_BYTES
-BF16_TOKEN_BYTES = 2 * V4_HEAD_DIM
-
-INDEXER_HEAD_DIM = 128
-INDEXER_FP8_DATA_BYTES = 128
-INDEXER_FP8_SCALE_BYTES = 4   # one little-endian fp32
-INDEXER_FP4_DATA_BYTES = 64   # two dims per byte, even dim in the low nibble
-INDEXER_FP4_GROUP = 32        # one UE8M0 scale per 32 dims -> 4 scale bytes
-INDEXER_FP4_SCALE_BYTES = INDEXER_HEAD_DIM // INDEXER_FP4_GROUP
-
 # amax floor shared by every quantizer: keeps all-zero tiles at a finite, tiny scale.
 AMAX_FLOOR = 1e-4
 
 
 # ------------------------------------------------------------------------------------ geometry
-
-def _check_page_size(page_size: int) -> None:
-    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two >= 1, got {page_size!r}")
-
-
-def page_bytes(fmt: str, page_size: int) -> int:
-    """Bytes of one cache page (= row stride of the 2-D cache view) for a store format."""
-    _check_page_size(page_size)
-    if fmt == "v4_fp8":
-        # Data rows then scale rows, padded up to a whole number of 576-byte data rows.
-        return -(-V4_TOKEN_BYTES * page_size // V4_DATA_BYTES) * V4_DATA_BYTES
-    if fmt == "v4_bf16":
-        return BF16_TOKEN_BYTES * page_size
-    if fmt == "indexer_fp8":
-        return (INDEXER_FP8_DATA_BYTES + INDEXER_FP8_SCALE_BYTES) * page_size
-    if fmt == "indexer_fp4":
-        return (INDEXER_FP4_DATA_BYTES + INDEXER_FP4_SCALE_BYTES) * page_size
-    raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
-
-
-def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = False) -> str:
-    """Format the op writes for a head dim and flags (contract §6.5): hd 512 → V4, hd 128 → indexer."""
-    if head_dim == V4_HEAD_DIM:
-        if use_fp4:
-            raise ValueError("use_fp4 applies to the indexer (head_dim 128) only, got head_dim 512")
-        return "v4_bf16" if bf16_store else "v4_fp8"
-    if head_dim == INDEXER_HEAD_DIM:
-        if bf16_store:
-            raise ValueError("bf16_store applies to head_dim 512 only, got head_dim 128")
-        return "indexer_fp4" if use_fp4 else "indexer_fp8"
-    raise ValueError(f"head_dim must be 512 or 128, got {head_dim}")
-
 
 def check_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
     """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of format ``fmt``."""
@@ -366,10 +338,8 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     that a caller that computes kv first (the fused op) can check the store before writing anything."""
     if kv.dim() != 2:
         raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
-    if kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"kv must be float32, bfloat16 or float16, got {kv.dtype}")
-    if compress_ratio not in (4, 128):
-        raise ValueError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
+    dtype_in("kv", kv, FLOAT_DTYPES)
+    check_ratio(compress_ratio)
     if plan.shape[0] != kv.shape[0]:
         raise ValueError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
     if out_loc.dim() != 1 or out_loc.dtype not in (torch.int32, torch.int64):

@@ -1,0 +1,119 @@
+"""Geometry of the compressor, in one place for Python: compress ratios, windows, state and input
+row widths, and the store formats with their byte layout (contract §1.2, contract §4, contract §5.1,
+contract §6.5 and the format sections after it).
+
+The ops, the references, warmup and the benchmarks read these; the kernels hold the same numbers
+as template constants (``compress.cuh``'s ``Window``, ``store.cuh``'s ``Layout``). Pure Python:
+importing it costs nothing.
+"""
+
+from __future__ import annotations
+
+#: The compress ratios R: c4 (overlapping 8-token windows) and c128.
+RATIOS = (4, 128)
+#: Tokens of one online c128 chunk: the running state restarts every CHUNK positions.
+CHUNK = 128
+#: Dims RoPE rotates: the last ROPE_DIM of each compressed row, as ROPE_DIM / 2 (cos, sin) pairs.
+ROPE_DIM = 64
+
+#: Cache formats of compress_norm_rope_store, in the kernels' enum order.
+FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
+
+V4_HEAD_DIM = 512
+V4_NOPE_DIM = 448             # dims 0..447: e4m3; dims 448..511: bf16 rope
+V4_TILE = 64                  # one UE8M0 scale per 64 nope dims -> 7 scales
+V4_DATA_BYTES = 576           # 448 e4m3 + 64 bf16
+V4_SCALE_BYTES = 8            # 7 exponents + 1 padding byte that is never written
+V4_TOKEN_BYTES = V4_DATA_BYTES + V4_SCALE_BYTES
+BF16_TOKEN_BYTES = 2 * V4_HEAD_DIM
+
+INDEXER_HEAD_DIM = 128
+INDEXER_FP8_DATA_BYTES = 128
+INDEXER_FP8_SCALE_BYTES = 4   # one little-endian fp32
+INDEXER_FP4_DATA_BYTES = 64   # two dims per byte, even dim in the low nibble
+INDEXER_FP4_GROUP = 32        # one UE8M0 scale per 32 dims -> 4 scale bytes
+INDEXER_FP4_SCALE_BYTES = INDEXER_HEAD_DIM // INDEXER_FP4_GROUP
+
+
+def check_ratio(compress_ratio: int) -> None:
+    if compress_ratio not in RATIOS:
+        raise ValueError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
+
+
+def window_size(compress_ratio: int) -> int:
+    """Wn: 8 for c4 (overlapping windows of two 4-token blocks), 128 for c128."""
+    return 2 * compress_ratio if compress_ratio == 4 else compress_ratio
+
+
+def row_width(head_dim: int, compress_ratio: int) -> int:
+    """Values per state/input row of the ring compressor: kv_ov | kv | sc_ov | sc (c4, 4·hd) or
+    kv | sc (c128, 2·hd)."""
+    return (4 if compress_ratio == 4 else 2) * head_dim
+
+
+def head_dim_multiple(compress_ratio: int) -> int:
+    """What head_dim must be a multiple of: the kernels' channel tiling (contract §8.3)."""
+    return 128 if compress_ratio == 4 else 64
+
+
+def online_state_width(head_dim: int) -> int:
+    """Values per online state row: m | s | k (contract §5.1)."""
+    return 3 * head_dim
+
+
+def online_input_width(head_dim: int) -> int:
+    """Values per online input row: kv | score."""
+    return 2 * head_dim
+
+
+def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = False,
+                 head_dim_arg: str = "head_dim") -> str:
+    """The cache format the flags select for `head_dim` (contract §6.5): 512 the V4 latent, 128 the
+    indexer. `head_dim_arg` says where head_dim came from, for the message."""
+    if head_dim == V4_HEAD_DIM:
+        if use_fp4:
+            raise ValueError("use_fp4 needs the indexer head_dim 128, got head_dim 512")
+        return "v4_bf16" if bf16_store else "v4_fp8"
+    if head_dim == INDEXER_HEAD_DIM:
+        if bf16_store:
+            raise ValueError("bf16_store needs head_dim 512, got head_dim 128")
+        return "indexer_fp4" if use_fp4 else "indexer_fp8"
+    raise ValueError(f"{head_dim_arg} must be 512 or 128, got {head_dim}")
+
+
+def format_head_dim(fmt: str) -> int:
+    """The head_dim of the rows a format stores."""
+    return V4_HEAD_DIM if fmt.startswith("v4") else INDEXER_HEAD_DIM
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
+
+
+def token_bytes(fmt: str) -> tuple[int, int]:
+    """(data bytes, scale bytes) one token occupies in a page of format `fmt`."""
+    _check_format(fmt)
+    return {"v4_fp8": (V4_DATA_BYTES, V4_SCALE_BYTES), "v4_bf16": (BF16_TOKEN_BYTES, 0),
+            "indexer_fp8": (INDEXER_FP8_DATA_BYTES, INDEXER_FP8_SCALE_BYTES),
+            "indexer_fp4": (INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES)}[fmt]
+
+
+def written_bytes(fmt: str) -> int:
+    """Cache bytes the store writes per stored token (the V4 scale row's padding byte is never written)."""
+    data, scales = token_bytes(fmt)
+    return data + (V4_NOPE_DIM // V4_TILE if fmt == "v4_fp8" else scales)
+
+
+def check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two >= 1, got {page_size!r}")
+
+
+def page_bytes(fmt: str, page_size: int) -> int:
+    """Bytes of one cache page (= row stride of the 2-D cache view) for a store format: the data
+    rows of its tokens, then their scale rows; V4 fp8 pages are padded to whole 576-byte rows."""
+    check_page_size(page_size)
+    data, scales = token_bytes(fmt)
+    raw = (data + scales) * page_size
+    return -(-raw // V4_DATA_BYTES) * V4_DATA_BYTES if fmt == "v4_fp8" else raw
