@@ -16,6 +16,7 @@
 // without a compress event are zero-filled (contract §9.3).
 #pragma once
 
+#include "common/status_text.h"
 #include "compress.cuh"
 
 namespace dsv4::compat {
@@ -50,6 +51,15 @@ enum StatusBit : int32_t {
   kBatchOutOfRange = 4,      // a plan row's batch_id >= batch size
   kMalformedRow = 8,         // compress row with position % 4 != 3 or window_len >= 8; decode seq_len < 1
 };
+
+/// Checked mode's text of a status word (host only: the op raises it as ValueError).
+inline tvm::ffi::String describe_status(int64_t word) {
+  return status_text(word, {{kPageOutOfRange, "an indices / extra entry names a page outside kv_score_buffer"},
+                            {kRaggedRowOutOfRange, "a plan row names a ragged row outside kv_score_input"},
+                            {kBatchOutOfRange, "a plan row's batch_id is not below the batch size"},
+                            {kMalformedRow, "a malformed row (compress position % 4 != 3 or window_len >= 8; "
+                                            "decode seq_len < 1)"}});
+}
 
 struct Params {
   compress::Params base;  // state, input, ape, out, num_pages (4-row pages), num_input_rows, num_rows, status

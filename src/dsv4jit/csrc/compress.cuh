@@ -20,6 +20,7 @@
 #include "common/pdl.cuh"
 #include "common/plan_check.h"
 #include "common/plan_structs.h"
+#include "common/status_text.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
 #include "common/unit_lane.cuh"
@@ -38,6 +39,13 @@ enum StatusBit : int32_t {
   kRaggedRowOutOfRange = 2,
   kWriteLocOutOfRange = 4,
 };
+
+/// Checked mode's text of a status word (host only: the op raises it as ValueError).
+inline tvm::ffi::String describe_status(int64_t word) {
+  return status_text(word, {{kStatePageOutOfRange, "a plan row names a state page outside kv_score_buffer"},
+                            {kRaggedRowOutOfRange, "a plan row names a ragged row outside kv_score_input"},
+                            {kWriteLocOutOfRange, "a plan row names a state row (write_loc) outside kv_score_buffer"}});
+}
 
 /// Geometry of a ratio: token-row layout, window slots, and where each slot's columns live.
 template <int kRatio, int kHeadDim>

@@ -24,6 +24,7 @@
 #include "common/pdl.cuh"
 #include "common/plan_check.h"
 #include "common/plan_structs.h"
+#include "common/status_text.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
 #include "common/unit_lane.cuh"
@@ -44,6 +45,13 @@ enum StatusBit : int32_t {
   kRaggedRowOutOfRange = 2,
   kBadSegment = 4,  // buffer_len is 0 or reaches before its chunk
 };
+
+/// Checked mode's text of a status word (host only: the op raises it as ValueError).
+inline tvm::ffi::String describe_status(int64_t word) {
+  return status_text(word, {{kStateRowOutOfRange, "a plan row names a state row outside kv_score_buffer"},
+                            {kRaggedRowOutOfRange, "a segment row names ragged rows outside kv_score_input"},
+                            {kBadSegment, "a segment row's buffer_len is 0 or reaches before its 128-token chunk"}});
+}
 
 struct Params {
   void* state;          // [num_state_rows, 1, 3·hd] BufferT

@@ -21,6 +21,7 @@
 #include "common/pdl.cuh"
 #include "common/plan_structs.h"
 #include "common/quant.cuh"
+#include "common/status_text.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
 #include "common/vec.cuh"
@@ -38,6 +39,13 @@ enum StatusBit : int32_t {
   kPositionOutOfRange = 2,  // seq_len - R outside the freq table
   kRaggedOutOfRange = 4,    // prefill ragged id beyond out_loc
 };
+
+/// Checked mode's text of a status word (host only: the op raises it as ValueError).
+inline tvm::ffi::String describe_status(int64_t word) {
+  return status_text(word, {{kLocOutOfRange, "an out_loc entry of a stored row lies outside kvcache"},
+                            {kPositionOutOfRange, "a rope position (seq_len - compress_ratio) lies outside freq_cis"},
+                            {kRaggedOutOfRange, "a plan row's ragged id lies beyond out_loc"}});
+}
 
 inline constexpr int kRopeDim = 64;
 

@@ -57,7 +57,8 @@ def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, .
         header="compress.cuh",
         params=(Param("head_dim", "int", head_dims), Param("state", "dtype", ("fp32", "bf16")),
                 Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
-        exports={"prefill": entry + "::prefill", "decode": entry + "::decode"},
+        exports={"prefill": entry + "::prefill", "decode": entry + "::decode",
+                 "describe_status": "dsv4::compress::describe_status"},
         serving=tuple({"head_dim": hd, "state": st, "input": "fp32", "output": "fp32", "pdl": True}
                       for hd in serving_dims for st in ("fp32", "bf16")),
         doc=f"ratio-{ratio} window softmax pooling and state-ring writes (prefill and decode)",
@@ -76,7 +77,8 @@ STORE = KernelSpec(
     header="store.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run",
-             "fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents"},
+             "fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents",
+             "describe_status": "dsv4::store::describe_status"},
     serving=tuple({"dtype": "fp32", "format": f, "pdl": True} for f in STORE_FORMATS),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
 )
@@ -88,7 +90,9 @@ FUSED = KernelSpec(
     header="fused.cuh",
     params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", ("fp32", "bf16")), PDL),
-    exports={"prefill": _FUSED_ENTRY + "::prefill", "decode": _FUSED_ENTRY + "::decode"},
+    exports={"prefill": _FUSED_ENTRY + "::prefill", "decode": _FUSED_ENTRY + "::decode",
+             "describe_compress_status": "dsv4::compress::describe_status",
+             "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32", "pdl": True}
                   for r, f in ((4, "v4_fp8"), (4, "indexer_fp4"), (4, "indexer_fp8"), (128, "v4_fp8"))),
     doc="compress + RMSNorm + RoPE (+ Hadamard) + quantize + paged store in one kernel (head_dim from the format)",
@@ -102,7 +106,8 @@ COMPAT_C4 = KernelSpec(
     header="compat_c4.cuh",
     params=(Param("head_dim", "int", (128, 512)), Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
-    exports={"decode": _COMPAT_ENTRY + "::decode", "prefill": _COMPAT_ENTRY + "::prefill"},
+    exports={"decode": _COMPAT_ENTRY + "::decode", "prefill": _COMPAT_ENTRY + "::prefill",
+             "describe_status": "dsv4::compat::describe_status"},
     serving=tuple({"head_dim": hd, "state": "fp32", "input": "fp32", "output": "fp32", "pdl": True}
                   for hd in (512, 128)),
     doc="the older c4 entry points (indices/seq_lens, ring or 4-aligned pages, ragged-indexed output)",
@@ -113,7 +118,8 @@ COMPRESS_ONLINE = KernelSpec(
     name="compress_online",
     header="online.cuh",
     params=(Param("head_dim", "int", (128, 256, 512)), Param("state", "dtype", ("fp32", "bf16")), PDL),
-    exports={"prefill": _ONLINE_ENTRY + "::prefill", "decode": _ONLINE_ENTRY + "::decode"},
+    exports={"prefill": _ONLINE_ENTRY + "::prefill", "decode": _ONLINE_ENTRY + "::decode",
+             "describe_status": "dsv4::online::describe_status"},
     serving=tuple({"head_dim": 512, "state": st, "pdl": True} for st in ("fp32", "bf16")),
     doc="online c128: one running softmax state row per request (prefill segments and decode steps)",
 )
@@ -123,7 +129,9 @@ FUSED_ONLINE = KernelSpec(
     name="fused_online",
     header="fused.cuh",
     params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
-    exports={"prefill": _FUSED_ONLINE_ENTRY + "::prefill", "decode": _FUSED_ONLINE_ENTRY + "::decode"},
+    exports={"prefill": _FUSED_ONLINE_ENTRY + "::prefill", "decode": _FUSED_ONLINE_ENTRY + "::decode",
+             "describe_compress_status": "dsv4::online::describe_status",
+             "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"format": "v4_fp8", "state": st, "pdl": True} for st in ("fp32", "bf16")),
     doc="online c128 + RMSNorm + RoPE + quantize + paged store in one kernel (head_dim 512, fp32 rows)",
 )
