@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compressor_step import (RING, Step, assert_same_result, fused_pipeline, make_step, pipeline, planner_inputs,
                              run)
-import dsv4jit.online  # noqa: F401  (registers the online custom ops)
+import dsv4jit.ops  # noqa: F401  (registers every custom op)
 from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_forward, compress_norm_rope_store
 from dsv4jit.reference import store as ref_store
 from pool_utils import SWA_PAGE

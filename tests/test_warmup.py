@@ -54,6 +54,11 @@ def test_dtypes_formats_and_op_families():
     ]
 
 
+def test_compat_reaches_the_c4_head_dims():
+    assert ids(variants(SM90, state_dtype=torch.bfloat16, head_dims={4: (128,), 128: (512,)}, ops=("compat",))) == [
+        "compat_c4[head_dim=128,state=bf16,input=fp32,output=fp32,pdl=1]"]
+
+
 def test_pdl_follows_the_arch_and_the_kill_switch(monkeypatch):
     assert ids(variants(Arch.parse("8.0"), ops=("plan",))) == ["plan[pdl=0]"]
     monkeypatch.setenv("DSV4JIT_DISABLE_PDL", "1")

@@ -21,56 +21,25 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .ops import _FLOAT_DTYPES, _STATE_DTYPES, _cuda_device, _describe, _dtype_name, _public_error
+from .arguments import FLOAT_DTYPES, STATE_DTYPES, TensorCheck, reworded, tensors
+from .family import Family, KernelChoice
+from .jit.kernels import COMPAT_C4
+from .ops.common import cuda_device, dtype_name
 from .plan_layout import LEGACY_PLAN_BYTES
 from .reference import compat as ref
 
 __all__ = ["flash_c4_decode", "flash_c4_prefill"]
 
 _DECODE, _PREFILL = "flash_c4_decode", "flash_c4_prefill"
-_HEAD_DIMS = (128, 512)
-_STATUS = {1: "an indices / extra entry names a page outside kv_score_buffer",
-           2: "a plan row names a ragged row outside kv_score_input",
-           4: "a plan row's batch_id is not below the batch size",
-           8: "a malformed row (compress position % 4 != 3 or window_len >= 8; decode seq_len < 1)"}
+_HEAD_DIMS = COMPAT_C4.param("head_dim").choices
 
 
-class _Args:
-    """Argument checks of the CPU path, with the kernels' rules and messages (symbolic sizes bind
-    on first use, like csrc/common/tensor_check.h)."""
-
-    def __init__(self, op: str):
-        self.op = op
-        self.sizes: dict[str, tuple[int, str]] = {}
-
-    def fail(self, exc, arg: str, what: str):
-        raise exc(f"dsv4jit.{self.op}: argument '{arg}': {what}")
-
-    def __call__(self, arg: str, t: torch.Tensor, shape: tuple, dtypes: tuple, align: int = 16) -> None:
-        if t.dim() != len(shape):
-            self.fail(ValueError, arg, f"must have {len(shape)} dimensions, got {t.dim()} (shape {list(t.shape)})")
-        for i, (want, got) in enumerate(zip(shape, t.shape)):
-            if isinstance(want, str):
-                bound, by = self.sizes.setdefault(want, (got, arg))
-                if bound != got:
-                    self.fail(ValueError, arg, f"dim {i} ('{want}') must be {bound} (as in '{by}'), got {got}")
-            elif want != got:
-                self.fail(ValueError, arg, f"dim {i} must be {want}, got {got} (shape {list(t.shape)})")
-        if t.dtype not in dtypes:
-            self.fail(TypeError, arg, f"dtype must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-        if not t.is_contiguous():
-            self.fail(ValueError, arg, "must be contiguous (row-major)")
-        if t.data_ptr() % align:
-            self.fail(ValueError, arg, f"data pointer must be {align}-byte aligned")
-
-    def bound(self, name: str) -> int:
-        return self.sizes[name][0]
+def kernel(head_dim: int, state: str, input: str, output: str) -> KernelChoice:
+    """The variant a call runs (dtypes by kernel name: ``fp32``, ``bf16``, ``fp16``)."""
+    return "compat_c4", {"head_dim": head_dim, "state": state, "input": input, "output": output}
 
 
-def _tensors(op: str, **named) -> None:
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor) and not (name == "extra" and t is None):
-            raise TypeError(f"dsv4jit.{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+FAMILY = Family("compat", lambda cfg: [kernel(hd, cfg.state, cfg.input, cfg.output) for hd in cfg.head_dims.get(4, ())])
 
 
 def _head_dim(op: str, out: torch.Tensor) -> int:
@@ -80,20 +49,26 @@ def _head_dim(op: str, out: torch.Tensor) -> int:
     return out.shape[1]
 
 
-def _check_common(check: _Args, hd: int, paged: bool, buffer, inputs, out, ape, indices, rows: str) -> None:
+def _check_common(check: TensorCheck, hd: int, paged: bool, buffer, inputs, out, ape, indices, rows: str) -> None:
     check("kv_score_buffer", buffer, ("num_pages" if paged else "num_indices", 4 if paged else 8, 4 * hd),
-          _STATE_DTYPES)
-    check("kv_score_input", inputs, (rows, 4 * hd), _FLOAT_DTYPES)
-    check("kv_compressed_output", out, (rows, hd), _FLOAT_DTYPES)
+          STATE_DTYPES)
+    check("kv_score_input", inputs, (rows, 4 * hd), FLOAT_DTYPES)
+    check("kv_compressed_output", out, (rows, hd), FLOAT_DTYPES)
     check("ape", ape, (8, hd), (inputs.dtype,))
     check("indices", indices, ("batch_size",), (torch.int32,), align=4)
 
 
-def _kernel(op: str, device: torch.device, export: str, hd: int, buffer, inputs, out):
-    return runtime.function("compat_c4", export, device, head_dim=hd,
-                            state=_dtype_name(buffer, "kv_score_buffer", op, _STATE_DTYPES),
-                            input=_dtype_name(inputs, "kv_score_input", op),
-                            output=_dtype_name(out, "kv_compressed_output", op))
+def _kernel(op: str, hd: int, buffer, inputs, out) -> KernelChoice:
+    return kernel(hd, dtype_name(buffer, "kv_score_buffer", op, STATE_DTYPES), dtype_name(inputs, "kv_score_input", op),
+                  dtype_name(out, "kv_compressed_output", op))
+
+
+def _run(op: str, device: torch.device, export: str, choice: KernelChoice, *args) -> None:
+    """Calls the kernel, then raises what checked mode found."""
+    name, params = choice
+    status = runtime.status_word(device)
+    runtime.function(name, export, device, **params)(*args, status)
+    runtime.raise_status(status, op, name, device, params)
 
 
 def flash_c4_decode(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
@@ -108,12 +83,13 @@ def flash_c4_decode(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
     Returns kv_compressed_output.
     """
     op = _DECODE
-    _tensors(op, kv_score_buffer=kv_score_buffer, kv_score_input=kv_score_input,
-             kv_compressed_output=kv_compressed_output, ape=ape, indices=indices, seq_lens=seq_lens, extra=extra)
+    tensors(op, dict(kv_score_buffer=kv_score_buffer, kv_score_input=kv_score_input,
+                     kv_compressed_output=kv_compressed_output, ape=ape, indices=indices, seq_lens=seq_lens,
+                     extra=extra), ("extra",))
     hd = _head_dim(op, kv_compressed_output)
-    device = _cuda_device(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
+    device = cuda_device(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
     if device is None:
-        check = _Args(op)
+        check = TensorCheck(op)
         _check_common(check, hd, extra is not None, kv_score_buffer, kv_score_input, kv_compressed_output, ape,
                       indices, "batch_size")
         check("seq_lens", seq_lens, ("batch_size",), (torch.int32,), align=4)
@@ -122,11 +98,9 @@ def flash_c4_decode(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
         try:
             return ref.c4_decode(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
         except (ValueError, TypeError) as e:  # the reference names its argument: add the function's name
-            _public_error(op, e, locals(), ())
-    fn = _kernel(op, device, "decode", hd, kv_score_buffer, kv_score_input, kv_compressed_output)
-    status = runtime.status_word(device)
-    fn(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra, status)
-    runtime.raise_status(status, op, _describe(_STATUS))
+            raise reworded(op, e, locals()) from None
+    _run(op, device, "decode", _kernel(op, hd, kv_score_buffer, kv_score_input, kv_compressed_output),
+         kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
     return kv_compressed_output
 
 
@@ -143,14 +117,14 @@ def flash_c4_prefill(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     last_position. Returns kv_compressed_output.
     """
     op = _PREFILL
-    _tensors(op, kv_score_buffer=kv_score_buffer, kv_score_input=kv_score_input,
-             kv_compressed_output=kv_compressed_output, ape=ape, indices=indices, compress_plan=compress_plan,
-             write_plan=write_plan, extra=extra)
+    tensors(op, dict(kv_score_buffer=kv_score_buffer, kv_score_input=kv_score_input,
+                     kv_compressed_output=kv_compressed_output, ape=ape, indices=indices, compress_plan=compress_plan,
+                     write_plan=write_plan, extra=extra), ("extra",))
     hd = _head_dim(op, kv_compressed_output)
-    device = _cuda_device(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan,
+    device = cuda_device(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan,
                           write_plan, extra)
     if device is None:
-        check = _Args(op)
+        check = TensorCheck(op)
         _check_common(check, hd, extra is not None, kv_score_buffer, kv_score_input, kv_compressed_output, ape,
                       indices, "num_q_tokens")
         check("compress_plan", compress_plan, ("compress_rows", LEGACY_PLAN_BYTES), (torch.uint8,))
@@ -169,9 +143,7 @@ def flash_c4_prefill(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
             return ref.c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan,
                                   write_plan, extra)
         except (ValueError, TypeError) as e:  # the reference names its argument: add the function's name
-            _public_error(op, e, locals(), ())
-    fn = _kernel(op, device, "prefill", hd, kv_score_buffer, kv_score_input, kv_compressed_output)
-    status = runtime.status_word(device)
-    fn(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan, extra, status)
-    runtime.raise_status(status, op, _describe(_STATUS))
+            raise reworded(op, e, locals()) from None
+    _run(op, device, "prefill", _kernel(op, hd, kv_score_buffer, kv_score_input, kv_compressed_output),
+         kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan, extra)
     return kv_compressed_output

@@ -15,12 +15,21 @@ from typing import Optional
 import torch
 
 from . import arguments, plan_layout, runtime
+from .family import Family, KernelChoice
 
 _OP_PREFILL = "CompressorPrefillPlan.generate"
 _OP_DECODE = "CompressorDecodePlan.generate"
 _TABLES = 3  # req_pool_indices, req_to_token, full_to_state: what describe_status takes
 #: Tables each planner family reads (online plans read req_pool_indices only).
 _READS = {"prefill": 3, "decode": 3, "prefill_online": 1, "decode_online": 1}
+
+
+def kernel(on_gpu: bool) -> KernelChoice:
+    """The planner a call runs: the GPU planner, or the host-compiled one when every input is on the CPU."""
+    return ("plan" if on_gpu else "plan_host"), {}
+
+
+FAMILY = Family("plan", lambda cfg: [kernel(on_gpu=not cfg.host)])
 
 
 def _placement(tables, lengths) -> tuple[torch.device, bool]:
@@ -50,7 +59,7 @@ def _raise_status(status, op: str, device: torch.device, tables, seq_lens, exten
     words = status.cpu()
     if int(words[0]):
         padded = (*tables, *(None,) * (_TABLES - len(tables)))
-        text = runtime.function("plan", "describe_status", device)(words, *padded, seq_lens, extend_lens)
+        text = runtime.function(kernel(on_gpu=True)[0], "describe_status", device)(words, *padded, seq_lens, extend_lens)
         raise ValueError(f"dsv4jit.{op} (checked mode): {text}")
 
 
@@ -67,24 +76,24 @@ def _plan_prefill(entry, op, tables, args, seq_lens, extend_lens, num_q_tokens, 
     by where lengths and lookup tables (`tables`, led by req_pool_indices) live."""
     num_q_tokens = operator.index(num_q_tokens)  # a float is a TypeError, which the caller explains
     device, on_gpu = _placement(tables, (seq_lens, extend_lens))
-    kernel = "plan" if on_gpu else "plan_host"
+    name = kernel(on_gpu)[0]
     if seq_lens.is_cuda or use_cuda_graph:  # bucket-sized plans, invalid past the counts
         rows_c = rows_w = num_q_tokens
     else:  # lengths on the host: count first (O(batch)) so the plans get their exact shapes
-        counts = runtime.function(kernel, entry + "_counts", device)(seq_lens, extend_lens, num_q_tokens, *args)
+        counts = runtime.function(name, entry + "_counts", device)(seq_lens, extend_lens, num_q_tokens, *args)
         rows_c, rows_w = counts >> 32, counts & 0xFFFFFFFF
     plan_c = torch.empty((rows_c, 16), dtype=torch.uint8, device=device)
     plan_w = torch.empty((rows_w, write_row_bytes), dtype=torch.uint8, device=device)
     if not on_gpu:  # every input on the host: the host planner checks them in default mode too
-        runtime.function(kernel, entry, device)(*tables, seq_lens, extend_lens, plan_c, plan_w, num_q_tokens, *args,
+        runtime.function(name, entry, device)(*tables, seq_lens, extend_lens, plan_c, plan_w, num_q_tokens, *args,
                                                use_cuda_graph, runtime.checks_enabled())
         return plan_c, plan_w
     status = _plan_status(device)
     if seq_lens.is_cuda:
-        runtime.function(kernel, entry + "_device", device)(*tables, seq_lens, extend_lens, plan_c, plan_w, status,
+        runtime.function(name, entry + "_device", device)(*tables, seq_lens, extend_lens, plan_c, plan_w, status,
                                                            *args)
     else:
-        runtime.function(kernel, entry + "_host_lengths", device)(*tables, seq_lens, extend_lens, plan_c, plan_w,
+        runtime.function(name, entry + "_host_lengths", device)(*tables, seq_lens, extend_lens, plan_c, plan_w,
                                                                  status, num_q_tokens, *args, use_cuda_graph)
     _raise_status(status, op, device, tables[:_READS[entry]], seq_lens, extend_lens)
     return plan_c, plan_w
@@ -104,11 +113,12 @@ def _plan_decode(entry, op, tables, args, seq_lens):
     plan_d = None
     if not runtime.kernels_allocate():
         plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)
+    name = kernel(on_gpu)[0]
     if not on_gpu:
-        made = runtime.function("plan_host", entry, device)(*tables, seq_lens, plan_d, *args, runtime.checks_enabled())
+        made = runtime.function(name, entry, device)(*tables, seq_lens, plan_d, *args, runtime.checks_enabled())
     else:
         status = _plan_status(device)
-        made = runtime.function("plan", entry, device)(*tables, seq_lens, plan_d, status, *args)
+        made = runtime.function(name, entry, device)(*tables, seq_lens, plan_d, status, *args)
         _raise_status(status, op, device, tables[:_READS[entry]], seq_lens)
     return plan_d if made is None else made
 

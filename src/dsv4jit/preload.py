@@ -3,82 +3,38 @@
 (The module is not named ``warmup``: a submodule of that name would shadow the function on the package.)
 
 A variant the ops meet for the first time compiles (seconds) and loads; during CUDA-graph capture or
-torch.compile tracing, or under a serving start-up timeout, that is too late. Each op family has a
-"reach" function below mapping a configuration to the (kernel, parameters) its calls resolve to,
-exactly as the ops pass them to ``runtime.function``; a new op adds one entry to ``_REACH``.
+torch.compile tracing, or under a serving start-up timeout, that is too late. Each kernel family
+declares, next to the function its calls pick their variant with, a ``Family`` whose reach maps a
+configuration to the (kernel, parameters) those calls resolve to (``dsv4jit.family``); `FAMILIES`
+lists them by the name ``ops`` takes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from . import arguments, env, runtime
+from . import arguments, compat, env, plan, runtime
+from .family import ModelConfig
 from .jit import build, loader
 from .jit.registry import Variant, unique
 from .jit.toolchain import Arch
-from .ops import _dtype_key, _store_format
+from .ops import compress, fused, online, store
 
 _OP = "warmup"
 
 #: DeepSeek-V4: c4 layers compress the latent (512) and the indexer keys (128), c128 layers the latent.
 MODEL_HEAD_DIMS: Mapping[int, tuple[int, ...]] = {4: (512, 128), 128: (512,)}
 
-
-@dataclass(frozen=True)
-class _Config:
-    head_dims: Mapping[int, tuple[int, ...]]
-    state: str
-    input: str
-    output: str
-    use_fp4: bool
-    bf16_store: bool
-
-    def pairs(self):
-        return [(ratio, hd) for ratio, dims in self.head_dims.items() for hd in dims]
-
-    def store_format(self, head_dim: int) -> str:
-        return _store_format(_OP, head_dim, self.use_fp4 and head_dim == 128, self.bf16_store and head_dim == 512,
-                             "'head_dims'")
-
-
-def _plan(cfg: _Config):
-    return [("plan", {})]
-
-
-def _compress(cfg: _Config):
-    return [(f"compress_c{ratio}", {"head_dim": hd, "state": cfg.state, "input": cfg.input, "output": cfg.output})
-            for ratio, hd in cfg.pairs()]
-
-
-def _store(cfg: _Config):
-    return [("store", {"dtype": cfg.output, "format": cfg.store_format(hd)}) for _, hd in cfg.pairs()]
-
-
-def _fused(cfg: _Config):
-    return [("fused", {"ratio": ratio, "format": cfg.store_format(hd), "state": cfg.state, "input": cfg.input})
-            for ratio, hd in cfg.pairs()]
-
-
-def _online(cfg: _Config):
-    return [("compress_online", {"head_dim": hd, "state": cfg.state}) for hd in cfg.head_dims.get(128, ())]
-
-
-def _fused_online(cfg: _Config):
-    return [("fused_online", {"format": cfg.store_format(hd), "state": cfg.state})
-            for hd in cfg.head_dims.get(128, ()) if hd == 512]
-
-
-#: op family -> the kernels its calls reach: "plan" (CompressorPrefillPlan/CompressorDecodePlan),
+#: op family -> what its calls reach: "plan" (CompressorPrefillPlan/CompressorDecodePlan),
 #: "compress" (compress_forward), "store" (compress_norm_rope_store), "fused" (compress_and_store),
 #: "online" (compress_forward(is_online=True), the c128 layers), "fused_online"
-#: (compress_and_store(is_online=True), the c128 latent).
-_REACH = {"plan": _plan, "compress": _compress, "store": _store, "fused": _fused, "online": _online,
-          "fused_online": _fused_online}
+#: (compress_and_store(is_online=True), the c128 latent), "compat" (dsv4jit.compat, the c4 layers).
+FAMILIES = {f.name: f for f in (plan.FAMILY, compress.FAMILY, store.FAMILY, fused.FAMILY, online.FAMILY,
+                                fused.ONLINE_FAMILY, compat.FAMILY)}
 
 
 def _target(device, arch: Optional[str]) -> Arch:
@@ -103,21 +59,23 @@ def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = N
              output_dtype: Optional[torch.dtype] = None, use_fp4: bool = False, bf16_store: bool = False,
              ops: Iterable[str] = ("plan", "compress", "store")) -> list[Variant]:
     """The variants `warmup` builds for `arch` (same arguments); the host target reaches the CPU planner only."""
-    unknown = sorted(set(ops) - set(_REACH))
+    unknown = sorted(set(ops) - set(FAMILIES))
     if unknown:
-        raise ValueError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(_REACH)}")
-    if arch.is_host:  # CPU tensors: compress and store run the torch references; only planning is compiled
-        return [runtime.variant("plan_host", arch)] if "plan" in ops else []
-    dims = {arguments.integer(_OP, "head_dims", r): tuple(arguments.integer(_OP, "head_dims", hd) for hd in hds)
-            for r, hds in (head_dims or MODEL_HEAD_DIMS).items()}
-    cfg = _Config(dims, _dtype_key(state_dtype, "state_dtype", _OP), _dtype_key(input_dtype, "input_dtype", _OP),
-                  _dtype_key(output_dtype or input_dtype, "output_dtype", _OP),
-                  arguments.flag(_OP, "use_fp4", use_fp4), arguments.flag(_OP, "bf16_store", bf16_store))
+        raise ValueError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(FAMILIES)}")
+    if arch.is_host:  # CPU tensors: the compressors run as torch references, no head dim reaches a kernel
+        cfg = ModelConfig({}, host=True)
+    else:
+        dims = {arguments.integer(_OP, "head_dims", r): tuple(arguments.integer(_OP, "head_dims", hd) for hd in hds)
+                for r, hds in (head_dims or MODEL_HEAD_DIMS).items()}
+        cfg = ModelConfig(dims, arguments.dtype_key(state_dtype, _OP, "state_dtype"),
+                          arguments.dtype_key(input_dtype, _OP, "input_dtype"),
+                          arguments.dtype_key(output_dtype or input_dtype, _OP, "output_dtype"),
+                          arguments.flag(_OP, "use_fp4", use_fp4), arguments.flag(_OP, "bf16_store", bf16_store))
     try:
-        return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in _REACH[op](cfg))
-    except ValueError as e:  # a head_dim no kernel has
-        if str(e).startswith("dsv4jit."):
-            raise
+        return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in FAMILIES[op].reach(cfg))
+    except ValueError as e:  # a head_dim no kernel (or no store format) has
+        if str(e).startswith("head_dims"):
+            raise arguments.reworded(_OP, e, ("head_dims",)) from None
         raise ValueError(f"dsv4jit.{_OP}: argument 'head_dims': {e}") from None
 
 
@@ -144,7 +102,8 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
         indexer, bf16_store for the latent).
     ops: op families to cover: "plan", "compress", "store", "fused" (compress_and_store), "online"
         (compress_forward(is_online=True) for the c128 head dims), "fused_online"
-        (compress_and_store(is_online=True), the c128 latent).
+        (compress_and_store(is_online=True), the c128 latent), "compat" (dsv4jit.compat, for the c4
+        head dims).
     arch: build for this target instead (e.g. ``"9.0a"``): works on a machine without a GPU when
         nvcc is installed (the modules load there too, they just cannot run).
     jobs: parallel compiles (default: memory-aware, as ``python -m dsv4jit precompile``).

@@ -75,7 +75,13 @@ def status_word(device: torch.device, words: int = 1) -> torch.Tensor | None:
     return torch.zeros(words, dtype=torch.int32, device=device) if checks_enabled() else None
 
 
-def raise_status(status: torch.Tensor | None, op: str, describe) -> None:
-    """Checked mode: sync, and raise ValueError with `describe(code)` if the kernel reported anything."""
-    if status is not None and (code := int(status.item())):
-        raise ValueError(f"dsv4jit.{op} (checked mode): {describe(code)}")
+def raise_status(status: torch.Tensor | None, op: str, kernel: str, device: torch.device, params: dict,
+                 describe: tuple[str, ...] = ("describe_status",)) -> None:
+    """Checked mode: sync, and raise ValueError if the kernel reported anything, in the words of the
+    module that ran: export describe[i] of `kernel` (the variant of `params`) tells word i's bits."""
+    if status is None:
+        return
+    words = status.tolist()
+    if any(words):
+        texts = [function(kernel, export, device, **params)(word) for export, word in zip(describe, words) if word]
+        raise ValueError(f"dsv4jit.{op} (checked mode): {'; '.join(filter(None, texts))}")

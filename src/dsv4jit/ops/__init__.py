@@ -1,0 +1,22 @@
+"""The public ops. CUDA tensors run the kernels; CPU tensors run the torch references (same results
+within the precision contract), so the API works on a machine without a GPU.
+
+Each public op checks its arguments, unpacks the plan and allocates its output, then calls one
+custom op (library.py) that takes only tensors and scalars: what torch.compile records. One module
+per family, importing downwards only:
+
+* ``common``: what they share (device rule, dtype names, the state-pool view, error wording);
+* ``online``: the online c128 compressor (``compress_forward(..., is_online=True)``);
+* ``store``: ``compress_norm_rope_store``;
+* ``compress``: ``compress_forward`` (the ring compressors; hands ``is_online=True`` to ``online``);
+* ``fused``: ``compress_and_store``, built on the other three.
+
+Each family module has the function that picks a call's kernel variant (``kernel``) and its
+``Family``, from which ``dsv4jit.warmup`` derives what a model configuration reaches.
+"""
+
+from .compress import compress_forward
+from .fused import compress_and_store
+from .store import compress_norm_rope_store
+
+__all__ = ["compress_and_store", "compress_forward", "compress_norm_rope_store"]

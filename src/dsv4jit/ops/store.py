@@ -1,0 +1,107 @@
+"""``compress_norm_rope_store``: RMSNorm, RoPE (+ Hadamard for the indexer), quantize and store the
+compressed rows in the paged cache (contract §6). CUDA tensors run csrc/store.cuh, CPU tensors
+reference/store.py."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from .. import arguments, library, runtime
+from ..family import Family, KernelChoice
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
+from ..reference import store as ref_store
+from . import common
+
+_OP = "compress_norm_rope_store"
+
+
+def kernel(dtype: str, store_format: str) -> KernelChoice:
+    """The variant a call runs (dtype of the compressed rows by kernel name: ``fp32``, ``bf16``)."""
+    return "store", {"dtype": dtype, "format": store_format}
+
+
+FAMILY = Family("store", lambda cfg: [kernel(cfg.output, cfg.store_format(hd)) for _, hd in cfg.pairs()])
+
+
+def check_out_loc(op: str, is_decode: bool, num_q_tokens: int, out_loc: torch.Tensor, rows: int) -> None:
+    """out_loc has an entry per decode row, or per token the plan recorded (the kernels check this themselves)."""
+    if is_decode and out_loc.shape[0] != rows:
+        raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have one entry per decode row ({rows}), "
+                         f"got {out_loc.shape[0]}")
+    if not is_decode and out_loc.shape[0] < num_q_tokens:
+        raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have at least num_q_tokens "
+                         f"({num_q_tokens}) entries, got {out_loc.shape[0]}")
+
+
+def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *,
+                             norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
+                             out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, use_fp4: bool = False,
+                             bf16_store: bool = False, layout: str = "v4", fp8_2buff: bool = False,
+                             kvcache_rope: torch.Tensor | None = None) -> None:
+    """RMSNorm, RoPE at position seq_len − R (+ Hadamard for the indexer), quantize, store at out_loc.
+
+    kv: compressed rows ``[plan[1].shape[0], head_dim]`` (fp32 or bf16), as compress_forward returns.
+    Prefill processes the valid plan rows and stores at ``out_loc[ragged_id]`` (out_loc covers every
+    token of the step); decode processes the rows at a compress boundary and stores at ``out_loc[b]``.
+    kvcache: ``[num_pages, page_bytes]`` uint8 view of the paged cache; formats by head_dim and flags:
+    512 -> V4 fp8 latent (or bf16 rows with bf16_store), 128 -> indexer fp8 (or fp4 with use_fp4).
+    """
+    op = _OP
+    unavailable = [(name, value, only) for name, value, only, ok in (
+        ("layout", layout, "v4", layout == "v4"), ("fp8_2buff", fp8_2buff, False, not fp8_2buff),
+        ("kvcache_rope", kvcache_rope, None, kvcache_rope is None)) if not ok]
+    for name, value, only in unavailable[:1]:  # the V4 layout only (contract §9.5)
+        shown = type(value).__name__ if isinstance(value, torch.Tensor) else repr(value)
+        raise NotImplementedError(f"dsv4jit.{op}: argument '{name}' can only be {only!r} (the V4 layout), got {shown}")
+    plan = as_plan(op, plan)
+    if type(page_size) is not int or type(use_fp4) is not bool or type(bf16_store) is not bool:
+        common.scalars(op, {"page_size": page_size}, {"use_fp4": use_fp4, "bf16_store": bf16_store})
+    eps = arguments.nonnegative(op, "norm_eps", norm_eps)
+    try:
+        if kv.dim() != 2:
+            raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
+        fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])")
+        if norm_weight.dtype != kv.dtype:
+            norm_weight = norm_weight.to(kv.dtype)
+        store_op(kv, plan[1], norm_weight, common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
+                 plan.compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan))
+    except (ValueError, TypeError, AttributeError) as e:
+        common.public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), (),
+                            lambda text: common.check_freq(op, freq_cis))
+
+
+@library.custom_op("norm_rope_store", mutates_args=("kvcache",))
+def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
+             out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int,
+             compress_ratio: int, is_decode: bool, norm_eps: float, num_q_tokens: int) -> None:
+    """compress_norm_rope_store on unpacked plan rows (freq: the real (cos, sin) table; num_q_tokens -1:
+    not recorded by the plan)."""
+    device = common.cuda_device(kv, plan_rows, norm_weight, freq, out_loc, kvcache)
+    if device is None:
+        check_out_loc(_OP, is_decode, num_q_tokens, out_loc, kv.shape[0])
+        ref_store.compress_norm_rope_store(kv, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
+                                           norm_weight=norm_weight, norm_eps=norm_eps,
+                                           freq_cis=common.complex_freq(freq), out_loc=out_loc, kvcache=kvcache,
+                                           page_size=page_size, use_fp4=store_format == "indexer_fp4",
+                                           bf16_store=store_format == "v4_bf16")
+        return
+    name, params = kernel(common.dtype_name(kv, "kv", _OP), store_format)
+    fn = runtime.function(name, "run", device, **params)
+    status = runtime.status_word(device)
+    fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
+       is_decode, norm_eps, num_q_tokens)
+    runtime.raise_status(status, _OP, name, device, params)
+
+
+def check_store(op: str, rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor,
+                freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int,
+                compress_ratio: int, is_decode: bool, num_q_tokens: int) -> None:
+    """The store step's checks on the CPU (rows: its input, values not read), for a fused op to run
+    before its compress step writes the state."""
+    check_out_loc(op, is_decode, num_q_tokens, out_loc, rows.shape[0])
+    ref_store.checked_store(rows, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
+                            norm_weight=norm_weight, freq_cis=common.complex_freq(freq), out_loc=out_loc,
+                            kvcache=kvcache, page_size=page_size, use_fp4=store_format == "indexer_fp4",
+                            bf16_store=store_format == "v4_bf16")
