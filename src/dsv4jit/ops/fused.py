@@ -98,7 +98,7 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
                                 kvcache)
     if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
         rows = torch.empty((plan_rows.shape[0], head_dim), dtype=kv_score_input.dtype)
-        check_store(op, rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size,
+        check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size,
                     compress_ratio, is_decode, num_q_tokens)
         compress_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
                          is_decode)
@@ -150,7 +150,7 @@ def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
                                 kvcache)
     if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
         rows = torch.empty((plan_rows.shape[0], hd), dtype=torch.float32)
-        check_store(op, rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, ONLINE_RATIO,
+        check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, ONLINE_RATIO,
                     is_decode, num_q_tokens)
         online_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, hd)
         store_op.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, ONLINE_RATIO,

@@ -25,16 +25,6 @@ def kernel(dtype: str, store_format: str) -> KernelChoice:
 FAMILY = Family("store", lambda cfg: [kernel(cfg.output, cfg.store_format(hd)) for _, hd in cfg.pairs()])
 
 
-def check_out_loc(op: str, is_decode: bool, num_q_tokens: int, out_loc: torch.Tensor, rows: int) -> None:
-    """out_loc has an entry per decode row, or per token the plan recorded (the kernels check this themselves)."""
-    if is_decode and out_loc.shape[0] != rows:
-        raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have one entry per decode row ({rows}), "
-                         f"got {out_loc.shape[0]}")
-    if not is_decode and out_loc.shape[0] < num_q_tokens:
-        raise ValueError(f"dsv4jit.{op}: argument 'out_loc' must have at least num_q_tokens "
-                         f"({num_q_tokens}) entries, got {out_loc.shape[0]}")
-
-
 def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *,
                              norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                              out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, use_fp4: bool = False,
@@ -80,12 +70,11 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     not recorded by the plan)."""
     device = common.cuda_device(kv, plan_rows, norm_weight, freq, out_loc, kvcache)
     if device is None:
-        check_out_loc(_OP, is_decode, num_q_tokens, out_loc, kv.shape[0])
         ref_store.compress_norm_rope_store(kv, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
                                            norm_weight=norm_weight, norm_eps=norm_eps,
                                            freq_cis=common.complex_freq(freq), out_loc=out_loc, kvcache=kvcache,
                                            page_size=page_size, use_fp4=store_format == "indexer_fp4",
-                                           bf16_store=store_format == "v4_bf16")
+                                           bf16_store=store_format == "v4_bf16", num_q_tokens=num_q_tokens)
         return
     name, params = kernel(common.dtype_name(kv, "kv", _OP), store_format)
     fn = runtime.function(name, "run", device, **params)
@@ -95,13 +84,12 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     runtime.raise_status(status, _OP, name, device, params)
 
 
-def check_store(op: str, rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor,
-                freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int,
-                compress_ratio: int, is_decode: bool, num_q_tokens: int) -> None:
+def check_store(rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
+                out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int, compress_ratio: int,
+                is_decode: bool, num_q_tokens: int) -> None:
     """The store step's checks on the CPU (rows: its input, values not read), for a fused op to run
     before its compress step writes the state."""
-    check_out_loc(op, is_decode, num_q_tokens, out_loc, rows.shape[0])
     ref_store.checked_store(rows, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
                             norm_weight=norm_weight, freq_cis=common.complex_freq(freq), out_loc=out_loc,
                             kvcache=kvcache, page_size=page_size, use_fp4=store_format == "indexer_fp4",
-                            bf16_store=store_format == "v4_bf16")
+                            bf16_store=store_format == "v4_bf16", num_q_tokens=num_q_tokens)

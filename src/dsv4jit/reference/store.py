@@ -294,6 +294,15 @@ def read_cache(fmt: str, kvcache: torch.Tensor, locs: torch.Tensor, page_size: i
 
 # ------------------------------------------------------------------------------------------ op
 
+def check_out_loc(out_loc: torch.Tensor, rows: int, *, is_decode: bool, num_q_tokens: int = -1) -> None:
+    """out_loc has one entry per decode plan row (`rows`), or in prefill at least the tokens of the step
+    (`num_q_tokens`, as the plan recorded it; -1: not recorded, the ragged ids bound it instead)."""
+    if is_decode and out_loc.numel() != rows:
+        raise ValueError(f"out_loc must have one entry per decode row ({rows}), got {out_loc.numel()}")
+    if not is_decode and out_loc.numel() < num_q_tokens:
+        raise ValueError(f"out_loc must have at least num_q_tokens ({num_q_tokens}) entries, got {out_loc.numel()}")
+
+
 def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, compress_ratio: int):
     """(row indices, RoPE positions, cache locations) of the plan rows that store a token (contract §6.1).
 
@@ -303,9 +312,7 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
     out_loc = out_loc.detach().cpu().to(torch.int64)
     if is_decode:
         rows = decode_decode_plan(plan)
-        if out_loc.numel() != rows.seq_len.numel():
-            raise ValueError(f"out_loc must have one entry per decode plan row ({rows.seq_len.numel()}), "
-                             f"got {out_loc.numel()}")
+        check_out_loc(out_loc, rows.seq_len.numel(), is_decode=True)
         keep = torch.nonzero(rows.seq_len % compress_ratio == 0).flatten()
         loc_index = keep
     else:
@@ -333,7 +340,8 @@ class StoreRows:
 
 def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
                   norm_weight: torch.Tensor, freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
-                  page_size: int, use_fp4: bool = False, bf16_store: bool = False) -> StoreRows:
+                  page_size: int, use_fp4: bool = False, bf16_store: bool = False,
+                  num_q_tokens: int = -1) -> StoreRows:
     """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read), so
     that a caller that computes kv first (the fused op) can check the store before writing anything."""
     if kv.dim() != 2:
@@ -344,6 +352,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
         raise ValueError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
     if out_loc.dim() != 1 or out_loc.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"out_loc must be a 1-D int32 or int64 tensor, got {out_loc.dim()}-D {out_loc.dtype}")
+    check_out_loc(out_loc, plan.shape[0], is_decode=is_decode, num_q_tokens=num_q_tokens)
     head_dim = kv.shape[1]
     fmt = store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store)
     if norm_weight.shape != (head_dim,):
@@ -362,17 +371,18 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
 def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
                              norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                              out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
-                             use_fp4: bool = False, bf16_store: bool = False) -> None:
+                             use_fp4: bool = False, bf16_store: bool = False, num_q_tokens: int = -1) -> None:
     """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (contract §6).
 
     ``kv [N, hd]`` (fp32, bf16 or fp16) row i goes with plan row i (CompressPlan rows in prefill,
     DecodePlan rows in decode). ``freq_cis`` is complex64 ``[max_pos, 32]`` (an fp32 ``[max_pos, 64]``
     table of interleaved (cos, sin) is accepted as well). ``kvcache`` (2-D uint8, one page per row) is
-    written in place, after every check; rows that are skipped write nothing.
+    written in place, after every check; rows that are skipped write nothing. ``num_q_tokens`` (a
+    prefill plan's record of the step's tokens; -1: none) is the least number of out_loc entries.
     """
     rows = checked_store(kv, plan, is_decode=is_decode, compress_ratio=compress_ratio, norm_weight=norm_weight,
                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
-                         bf16_store=bf16_store)
+                         bf16_store=bf16_store, num_q_tokens=num_q_tokens)
     if rows.keep.numel() == 0:
         return
     # The op's wrapper casts the weight to kv's dtype before the fp32 math.
