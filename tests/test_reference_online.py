@@ -179,12 +179,12 @@ def test_segment_state_is_the_sequential_update():
     gen = torch.Generator().manual_seed(0)
     kv, z = torch.randn(37, 64, generator=gen, dtype=torch.float64), 3 * torch.randn(37, 64, generator=gen,
                                                                                      dtype=torch.float64)
-    closed, seq = ref_online.segment_state(kv, z), ref_compress.online_pool(kv, z)
+    closed, seq = ref_online.segment_state(kv, z), ref_online.online_pool(kv, z)
     for a, b in zip(closed, seq):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     left = ref_online.segment_state(kv[:10], z[:10])
     right = ref_online.segment_state(kv[10:], z[10:])
-    for a, b in zip(ref_compress.online_merge(left, right), closed):
+    for a, b in zip(ref_online.online_merge(left, right), closed):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
