@@ -14,8 +14,9 @@ import dsv4jit
 from conftest import copy_entry
 from dsv4jit import runtime
 from dsv4jit.jit import loader
+from dsv4jit.jit.kernels import SPECS
 from dsv4jit.jit.toolchain import Arch
-from dsv4jit.preload import variants
+from dsv4jit.preload import FAMILIES, variants
 
 HAS_CUDA = torch.cuda.is_available()
 SM90 = Arch.parse("9.0a")
@@ -57,6 +58,12 @@ def test_dtypes_formats_and_op_families():
 def test_compat_reaches_the_c4_head_dims():
     assert ids(variants(SM90, state_dtype=torch.bfloat16, head_dims={4: (128,), 128: (512,)}, ops=("compat",))) == [
         "compat_c4[head_dim=128,state=bf16,input=fp32,output=fp32,pdl=1]"]
+
+
+def test_every_kernel_module_is_reached_by_a_family():
+    """A kernel added to the catalogue without a family in preload.FAMILIES could not be warmed up."""
+    reached = {v.spec.name for arch in (SM90, Arch.host()) for v in variants(arch, ops=tuple(FAMILIES))}
+    assert reached == set(SPECS) - {"selftest"}  # the toolchain check, which no op calls
 
 
 def test_pdl_follows_the_arch_and_the_kill_switch(monkeypatch):
