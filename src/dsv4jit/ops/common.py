@@ -63,11 +63,11 @@ def ape_as(op: str, ape: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def store_format(op: str, head_dim: int, use_fp4: bool, bf16_store: bool, head_dim_arg: str) -> str:
     """geometry.store_format, its error worded as op's (`head_dim_arg`: where head_dim came from,
-    e.g. ``kv: head_dim (kv.shape[1])``)."""
+    ``head_dim`` or ``kv: head_dim (kv.shape[1])``)."""
     try:
         return geometry.store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store, head_dim_arg=head_dim_arg)
     except ValueError as e:
-        raise arguments.reworded(op, e, ("use_fp4", "bf16_store", head_dim_arg.split(":")[0])) from None
+        raise arguments.reworded(op, e, ("use_fp4", "bf16_store", "head_dim", "kv")) from None
 
 
 def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range
-from dsv4jit.geometry import CHUNK, online_input_width, online_state_width
+from dsv4jit.geometry import CHUNK, head_dim_multiple, online_input_width, online_state_width
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan
 
 __all__ = ["CHUNK", "OnlineState", "online_decode", "online_merge", "online_pool", "online_prefill", "online_reset",
@@ -102,8 +102,9 @@ def segment_state(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState
 
 
 def _check(state, inputs, ape, out, head_dim, out_rows):
-    if head_dim <= 0 or head_dim % 64:
-        raise ValueError(f"head_dim: expected a positive multiple of 64, got {head_dim}")
+    multiple = head_dim_multiple(CHUNK)  # the c128 channel tiling
+    if head_dim <= 0 or head_dim % multiple:
+        raise ValueError(f"head_dim: expected a positive multiple of {multiple}, got {head_dim}")
     dtype_in("kv_score_buffer", state, STATE_DTYPES)
     dtype_in("kv_score_input", inputs, (torch.float32,), " (online c128)")
     dtype_in("ape", ape, (torch.float32,), " (online c128)")
