@@ -4,7 +4,7 @@ reference/store.py."""
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -29,7 +29,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
                              norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                              out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, use_fp4: bool = False,
                              bf16_store: bool = False, layout: str = "v4", fp8_2buff: bool = False,
-                             kvcache_rope: torch.Tensor | None = None) -> None:
+                             kvcache_rope: Optional[torch.Tensor] = None) -> None:
     """RMSNorm, RoPE at position seq_len − R (+ Hadamard for the indexer), quantize, store at out_loc.
 
     kv: compressed rows ``[plan[1].shape[0], head_dim]`` (fp32 or bf16), as compress_forward returns.
