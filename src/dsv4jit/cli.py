@@ -434,8 +434,10 @@ def cmd_bench(args) -> int:
     rows = report.run_benchmarks(names, args.only, on_start=lambda n: print(f"running dsv4jit.bench.{n}",
                                                                             file=sys.stderr, flush=True))
     header = (f"# dsv4jit benchmarks\n\n{torch.cuda.get_device_name()}, dsv4jit {__version__}, "
-              f"torch {torch.__version__}. \"% copy\" is against the measured device copy bandwidth.\n")
+              f"torch {torch.__version__}.\n")
     paths = report.write_report(rows, Path(args.out), header)
+    if not report.can_plot():
+        print(report.PLOTS_NEED, file=sys.stderr)
     _emit(args, {"files": [str(p) for p in paths], "rows": [vars(r) for r in rows]},
           [report.markdown(rows)] + [f"wrote {p}" for p in paths])
     return EXIT_OK
@@ -506,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--json", action="store_true", help="machine-readable result")
     pd.set_defaults(func=cmd_demo)
 
-    pb = sub.add_parser("bench", help="run the kernel benchmarks; write markdown, CSV and PNG plots")
-    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png); required unless --list")
+    pb = sub.add_parser("bench", help="run the kernel benchmarks (L2-cold); write markdown, CSV and, with "
+                        "matplotlib, PNG plots")
+    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png with matplotlib); required "
+                    "unless --list")
     pb.add_argument("--bench", action="append",
                     help="run only this benchmark module (repeatable; default: every module)")
     pb.add_argument("--only", default="", help="run the cases whose name contains this text (default: every case)")
