@@ -9,12 +9,10 @@ import argparse
 import functools
 import json
 import logging
-import os
 import re
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from . import __version__, env
@@ -137,67 +135,51 @@ def _emit(args, payload, lines: list[str]) -> None:
 
 
 def cmd_precompile(args) -> int:
-    from .jit import build, loader
+    from .jit import batch
 
-    if args.cache_dir:
-        os.environ["DSV4JIT_CACHE_DIR"] = args.cache_dir
-    pairs = _targets(args)
-    todo, results = [], []
-    for v, a in pairs:
-        res = loader.resolve(v, a)
-        if res.entry is not None and not env.force_rebuild():
-            results.append({"variant": v.id, "arch": a.name, "status": "cached", "entry": str(res.entry)})
-        elif res.toolchain_error is not None:
-            raise res.toolchain_error
-        else:
-            todo.append(res)
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else None
+    cached, todo = batch.partition(_targets(args), root)
+    results = [{"variant": r.variant.id, "arch": r.arch.name, "status": "cached", "entry": str(r.entry)}
+               for r in cached]
     if args.dry_run:
         results += [{"variant": r.variant.id, "arch": r.arch.name, "status": "would build", "key": r.info.key}
                     for r in todo]
         _emit(args, {"results": results}, [f"{r['status']:>11}  {r['variant']}  {r['arch']}" for r in results])
         return EXIT_OK
-    jobs = args.jobs or build.default_jobs(len(todo))
-    start = time.monotonic()
-    failed = 0
 
-    def one(res):
-        t = time.monotonic()
-        return loader.build_resolved(res, "precompile"), time.monotonic() - t
+    def progress(i: int, outcome) -> None:
+        row = _outcome_row(outcome)
+        results.append(row)
+        if args.json or outcome.status == "cancelled":
+            return
+        if outcome.status == "built":
+            done = f"{outcome.seconds:.1f}s"
+        elif outcome.status == "cached":
+            done = f"built by another process (waited {outcome.built.waited:.1f}s)"
+        else:
+            done = f"FAILED\n{outcome.error}"
+        print(f"[{i}/{len(todo)}] {outcome.resolution.variant.id} {outcome.resolution.arch} {done}", flush=True)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(one, r): r for r in todo}
-        for i, fut in enumerate(as_completed(futures), 1):
-            r = futures[fut]
-            if fut.cancelled():  # after a failure without --keep-going
-                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cancelled"})
-                continue
-            try:
-                built, seconds = fut.result()
-                if built.compiled:
-                    results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "built",
-                                    "seconds": round(seconds, 2)})
-                    done = f"{seconds:.1f}s"
-                else:  # another process built it while this one waited for the key lock
-                    results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cached",
-                                    "entry": str(built.entry), "waited": round(built.waited, 2)})
-                    done = f"built by another process (waited {built.waited:.1f}s)"
-                if not args.json:
-                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} {done}", flush=True)
-            except DSV4JITError as e:
-                failed += 1
-                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "failed", "error": str(e)})
-                if not args.json:
-                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} FAILED\n{e}", flush=True)
-                if not args.keep_going:
-                    for f in futures:
-                        f.cancel()
-    wall = time.monotonic() - start
+    done = batch.build_all(todo, "precompile", args.jobs, keep_going=args.keep_going, on_outcome=progress)
     counts = {s: sum(r["status"] == s for r in results) for s in ("built", "cached", "failed", "cancelled")}
     cancelled = f", cancelled {counts['cancelled']}" if counts["cancelled"] else ""
     summary = (f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}{cancelled}, "
-               f"{wall:.1f}s wall (-j {jobs})")
-    _emit(args, {"results": results, "summary": counts, "wall_seconds": round(wall, 2)}, [summary])
-    return EXIT_FAILED if failed else EXIT_OK
+               f"{done.wall_seconds:.1f}s wall (-j {done.jobs})")
+    _emit(args, {"results": results, "summary": counts, "wall_seconds": round(done.wall_seconds, 2)}, [summary])
+    return EXIT_FAILED if done.failures else EXIT_OK
+
+
+def _outcome_row(outcome) -> dict:
+    """A build's line of ``precompile --json``."""
+    res = outcome.resolution
+    row = {"variant": res.variant.id, "arch": res.arch.name, "status": outcome.status}
+    if outcome.status == "built":
+        row["seconds"] = round(outcome.seconds, 2)
+    elif outcome.status == "cached":  # another process built it while this one waited for the key lock
+        row.update(entry=str(outcome.built.entry), waited=round(outcome.built.waited, 2))
+    elif outcome.status == "failed":
+        row["error"] = str(outcome.error)
+    return row
 
 
 def cmd_list(args) -> int:

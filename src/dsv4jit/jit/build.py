@@ -410,17 +410,3 @@ def _cache_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") ->
         return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror}; "
                                  f"set {setting} to a writable folder with free space")
     return e
-
-
-def default_jobs(n: int) -> int:
-    """Parallel compiles for `n` variants: DSV4JIT_JOBS, else bounded by CPUs and by available memory
-    (DSV4JIT_JOB_MEM_GB per nvcc)."""
-    if explicit := env.jobs():
-        return explicit
-    try:
-        with open("/proc/meminfo") as f:
-            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        by_mem = int(avail_kb / 2**20 // env.job_mem_gb())
-    except (OSError, StopIteration):
-        by_mem = os.cpu_count() or 1
-    return max(1, min(os.cpu_count() or 1, by_mem, n))
