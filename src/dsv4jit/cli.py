@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -184,15 +183,13 @@ def _outcome_row(outcome) -> dict:
 
 def cmd_list(args) -> int:
     from .jit import cache, loader
+    from .jit.clean import is_orphan
 
     if args.entries:
-        rows = []
-        known = {(v.id) for v in _variants(None, ["all"])}
-        for root in cache.roots():
-            for entry, m in cache.iter_entries(root):
-                rows.append({"root": str(root), "entry": str(entry), "variant": m.get("variant"),
-                             "arch": m.get("arch"), "key": m.get("key"), "size": m.get("size"),
-                             "build_seconds": m.get("build_seconds"), "orphan": m.get("variant") not in known})
+        rows = [{"root": str(root), "entry": str(entry), "variant": m.get("variant"), "arch": m.get("arch"),
+                 "key": m.get("key"), "size": m.get("size"), "build_seconds": m.get("build_seconds"),
+                 "orphan": is_orphan(m)}
+                for root in cache.roots() for entry, m in cache.iter_entries(root)]
         _emit(args, {"entries": rows}, [f"{r['variant']}  {r['arch']}  {r['key']}  {r['size']} B"
                                         f"{'  (orphan)' if r['orphan'] else ''}  {r['entry']}" for r in rows])
         return EXIT_OK
@@ -222,76 +219,20 @@ def _parse_age(text: str) -> float:
 
 
 def cmd_clean(args) -> int:
-    from .jit import cache
+    from .jit.clean import clean
 
-    root = env.cache_dir()
     if not any((args.all, args.arch, args.kernel, args.stale, args.older_than, args.orphans)):
         raise UsageError("clean needs a selection: --all, --arch, --kernel, --stale, --older-than or --orphans")
-    for kernel in args.kernel or ():
-        _spec(kernel)
-    known = {v.id for v in _variants(None, ["all"])}
-    now = time.time()
-    base = root / f"v{cache.SCHEMA}"
-    doomed: list[Path] = []
-    if args.all or args.stale:  # old schemas, abandoned stages, swapped-out entries, failed-build logs
-        doomed += [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
-        doomed += [p for p in base.glob("*/*/.stage-*") if now - p.stat().st_mtime > env.build_timeout()]
-        doomed += list(base.glob("*/*/.old-*")) + list(base.glob("*/*/.bad-*"))
-        doomed += [root / "failed"] if (root / "failed").is_dir() else []
-    if args.stale:
-        doomed += _superseded(root)
+    kernels = {_spec(kernel).name for kernel in args.kernel or ()}
     max_age = _parse_age(args.older_than) if args.older_than else None
     archs = {a.name for a in _archs(args.arch)} if args.arch else set()
-    for entry, m in cache.iter_entries(root):
-        arch, kernel = entry.parent.parent.name, entry.parent.name
-        if (args.all or arch in archs or kernel in (args.kernel or ())
-                or (args.orphans and m.get("variant") not in known)
-                or (max_age is not None and now - m.get("built_at", now) > max_age)):
-            doomed.append(entry)
-    doomed = sorted(set(doomed))
-    freed = sum(cache.dir_size(p) for p in doomed)
-    if not args.dry_run:
-        for p in doomed:
-            _remove_entry(p)
-    verb = "would free" if args.dry_run else "freed"
-    _emit(args, {"removed": [str(p) for p in doomed], "bytes": freed, "dry_run": args.dry_run},
-          [f"{'would remove' if args.dry_run else 'removed'} {p}" for p in doomed] +
-          [f"{verb} {freed} bytes in {len(doomed)} paths under {root}"])
+    done = clean(everything=args.all, archs=archs, kernels=kernels, stale=args.stale, older_than=max_age,
+                 orphans=args.orphans, dry_run=args.dry_run)
+    verb = "would free" if done.dry_run else "freed"
+    _emit(args, {"removed": [str(p) for p in done.removed], "bytes": done.bytes, "dry_run": done.dry_run},
+          [f"{'would remove' if done.dry_run else 'removed'} {p}" for p in done.removed] +
+          [f"{verb} {done.bytes} bytes in {len(done.removed)} paths under {done.root}"])
     return EXIT_OK
-
-
-def _superseded(root: Path) -> list[Path]:
-    """Entries of registry variants whose key is no longer the current one (old headers or flags)."""
-    from .jit import cache, loader
-    from .jit.kernels import SPECS
-    from .jit.registry import parse_variant_id
-    from .jit.toolchain import Arch
-
-    old = []
-    for entry, m in cache.iter_entries(root):
-        try:
-            variant = parse_variant_id(m["variant"], SPECS)
-        except (KeyError, ValueError):
-            continue  # orphans have their own option
-        res = loader.resolve(variant, Arch(m["arch"]))
-        if res.info is not None and res.info.key != m.get("key"):
-            old.append(entry)
-    return old
-
-
-def _remove_entry(path: Path) -> None:
-    """Delete an entry under its key lock (where builders take it), so a concurrent builder of that
-    key is not disturbed."""
-    import filelock
-
-    from .jit.build import lock_file
-
-    lock = lock_file(env.cache_dir(), path)
-    if not lock.exists():
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    with filelock.FileLock(str(lock), timeout=env.lock_timeout()):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def cmd_info(args) -> int:
