@@ -11,7 +11,6 @@ import json
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 
 from . import __version__, env
@@ -238,6 +237,7 @@ def cmd_clean(args) -> int:
 def cmd_info(args) -> int:
     import torch
 
+    from . import runtime
     from .jit import cache, loader
     from .jit.toolchain import device_arch, toolchain
 
@@ -273,8 +273,9 @@ def cmd_info(args) -> int:
                                     "entry": str(res.entry) if res.entry else None,
                                     "document": res.info.document if res.info else None})
     if args.check:
-        info["check"] = _self_check(archs[0])
-        status = EXIT_OK if info["check"]["ok"] else EXIT_FAILED
+        check = runtime.self_check(archs[0])
+        info["check"] = {"ok": check.ok, "detail": check.detail}
+        status = EXIT_OK if check.ok else EXIT_FAILED
     lines = [f"dsv4jit {info['dsv4jit']} (python {info['python']})"]
     nv = info["nvcc"]
     lines.append(f"nvcc: {nv.get('path', '-')} ({nv.get('version', nv.get('error'))})")
@@ -294,32 +295,6 @@ def cmd_info(args) -> int:
         lines.append(f"check: {'ok' if c['ok'] else 'FAILED'} - {c['detail']}")
     _emit(args, info, lines)
     return status
-
-
-def _self_check(arch) -> dict:
-    """Compile and load the trivial selftest kernel; run it when a GPU is present."""
-    import torch
-
-    from .jit import loader
-
-    try:
-        variant = loader.variant("selftest", dtype="fp32", pdl=arch.major >= 9 and not env.disable_pdl())
-        t = time.monotonic()
-        module = loader.load(variant, arch)
-        detail = f"{variant.id} for {arch} loaded in {time.monotonic() - t:.2f}s"
-        if torch.cuda.is_available():
-            x = torch.randn(4096, device="cuda")
-            out = torch.full_like(x, float("nan"))
-            module.affine(x, out, 2.0, 1.0)
-            torch.cuda.synchronize()
-            if not torch.equal(out, x * 2.0 + 1.0):
-                return {"ok": False, "detail": detail + "; GPU result mismatch"}
-            detail += "; ran on " + torch.cuda.get_device_name()
-        else:
-            detail += "; no GPU, not run"
-        return {"ok": True, "detail": detail}
-    except DSV4JITError as e:
-        return {"ok": False, "detail": str(e)}
 
 
 def cmd_demo(args) -> int:
