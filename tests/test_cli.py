@@ -401,6 +401,31 @@ def test_variant_id_errors_show_ids_that_work(run, argv, error):
         assert code == 0 and [r["variant"] for r in payload["variants"]] == [example]
 
 
+def test_a_bug_shows_its_traceback_and_exits_3(run, warm_cache, monkeypatch):
+    """A ValueError from inside the library is not a usage error: nothing the user typed is wrong."""
+    def broken(root):
+        raise ValueError("manifest table in a bad state")
+
+    monkeypatch.setattr(cache, "iter_entries", broken)
+    code, out, err = run("list", "--entries")
+    assert code == cli.EXIT_BUG == 3 and out == ""
+    assert "Traceback (most recent call last)" in err and "ValueError: manifest table in a bad state" in err
+    assert "dsv4jit: internal error (exit 3): a bug in dsv4jit" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("setting, value, argv, message", [
+    ("DSV4JIT_JOBS", "many", ["precompile", *SELECT], "DSV4JIT_JOBS must be a number, got 'many'"),
+    ("DSV4JIT_BUILD_TIMEOUT", "1h", ["clean", "--stale"], "DSV4JIT_BUILD_TIMEOUT must be a number, got '1h'"),
+    ("DSV4JIT_CUDA_ARCH", "hopper", ["list", "--kernel", "selftest"],
+     "DSV4JIT_CUDA_ARCH: invalid CUDA arch 'hopper': expected e.g. 9.0a, 90a or sm_90a"),
+])
+def test_a_malformed_setting_is_a_usage_error(run, warm_cache, monkeypatch, setting, value, argv, message):
+    (warm_cache.entry.parent / ".stage-selftest__fp32_pdl-x-1").mkdir()  # clean --stale reads the timeout for it
+    monkeypatch.setenv(setting, value)
+    code, out, err = run(*argv)
+    assert (code, out, err) == (2, "", f"dsv4jit: {message}\n")
+
+
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     [sub] = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(sub.choices)

@@ -1,6 +1,16 @@
 """``python -m dsv4jit`` / ``dsv4jit``: demo, bench, precompile, list, clean, info.
 
-Exit codes: 0 success; 1 a build, check or demo comparison failed; 2 usage or toolchain error.
+This module parses arguments and prints; what the commands do lives in the library (jit/ for the
+cache). Exit codes:
+
+* 0: success;
+* 1: the command ran and something it checked failed: a build, ``info --check``, a demo comparison,
+  or another `DSV4JITError` (its message, no traceback);
+* 2: the command cannot run as asked, and the message says what to change: an argument (argparse's
+  own errors, and a `UsageError` raised here while parsing or validating one), a ``DSV4JIT_*``
+  setting (`env.SettingError`), or a missing compiler (`DSV4JITToolchainError`);
+* 3: a bug in dsv4jit: any other exception, a ValueError from inside the library included, with
+  its traceback.
 """
 
 from __future__ import annotations
@@ -11,16 +21,18 @@ import json
 import logging
 import re
 import sys
+import traceback
 from pathlib import Path
 
 from . import __version__, env
 from .errors import DSV4JITError, DSV4JITToolchainError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
 
 class UsageError(Exception):
-    pass
+    """A command-line argument is wrong; raised only here, where arguments are parsed and validated
+    (a library error is wrapped in it only at the call that validates that argument)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,7 +50,10 @@ def _archs(text: str | None) -> list:
 
     if text in (None, ""):
         if forced := env.cuda_arch():
-            return [Arch.parse(forced)]
+            try:
+                return [Arch.parse(forced)]
+            except ValueError as e:
+                raise env.SettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
         text = "auto"
     if text == "auto":
         import torch
@@ -300,12 +315,16 @@ def cmd_info(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run
 
-    device = run.resolve_device(args.device)
-    config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
-                            chunk=args.chunk, decode_steps=args.decode_steps, layers=args.layers, seed=args.seed,
-                            indexer_fp8=args.indexer_fp8 or None, graph=False if args.eager else None,
-                            decode_plans=args.decode_plans, check=False if args.no_check else None,
-                            fused=args.fused or None)
+    try:  # the calls that validate the options: their ValueErrors name the option
+        device = run.resolve_device(args.device)
+        config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt,
+                                max_prompt=args.max_prompt, chunk=args.chunk, decode_steps=args.decode_steps,
+                                layers=args.layers, seed=args.seed, indexer_fp8=args.indexer_fp8 or None,
+                                graph=False if args.eager else None, decode_plans=args.decode_plans,
+                                check=False if args.no_check else None, fused=args.fused or None)
+        config.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     progress = not args.no_progress and sys.stderr.isatty()
     result = run.run_demo(config, str(device), progress=progress)
     _emit(args, result.as_dict(), run.format_result(result))
@@ -463,15 +482,17 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"dsv4jit: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (DSV4JITToolchainError, ValueError) as e:
+    except (UsageError, env.SettingError, DSV4JITToolchainError) as e:
         print(f"dsv4jit: {e}", file=sys.stderr)
         return EXIT_USAGE
     except DSV4JITError as e:
         print(str(e), file=sys.stderr)
         return EXIT_FAILED
+    except Exception:  # noqa: BLE001 - a bug: the traceback says where
+        traceback.print_exc()
+        print(f"dsv4jit: internal error (exit {EXIT_BUG}): a bug in dsv4jit {__version__}; please report it "
+              "with the traceback above", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":
