@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv4jit.errors import DSV4JITToolchainError
 from dsv4jit.jit import cache, loader, toolchain
 from dsv4jit.jit.toolchain import Arch
 
@@ -34,15 +35,18 @@ ARCH_TEXT = "9.0a"
 SELFTEST_ID = "selftest[dtype=fp32,pdl=1]"
 
 
-def _find_real_nvcc() -> str | None:
-    for cand in ("/usr/local/cuda-13.0/bin/nvcc", shutil.which("nvcc")):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
+def _find_real_nvcc() -> tuple[str | None, str]:
+    """The toolkit's nvcc, found as the package finds it (jit/toolchain.py: DSV4JIT_NVCC, CUDA_HOME,
+    CUDA_PATH, PATH, /usr/local/cuda, resolved through wrappers); else None and why."""
+    try:
+        return str(toolchain.toolchain(need_cuda=True).nvcc), ""
+    except DSV4JITToolchainError as e:
+        return None, f"needs the CUDA compiler: {e}"
+    finally:
+        toolchain.reset()
 
 
-REAL_NVCC = _find_real_nvcc()
-NO_NVCC_REASON = "needs the CUDA compiler: no nvcc at /usr/local/cuda-13.0/bin/nvcc or on PATH"
+REAL_NVCC, NO_NVCC_REASON = _find_real_nvcc()
 FULL_REASON = "in the full suite only (compiles the whole serving set for sm_90a, minutes): add --full"
 
 pytest_plugins = ["pytester", "skip_summary"]

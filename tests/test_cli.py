@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -110,15 +111,21 @@ def test_precompile_dry_run_on_a_warm_cache_reports_cached(run, warm_cache):
     assert code == 0 and out.split() == ["cached", SELFTEST_ID, "sm_90a"]
 
 
-def test_precompile_builds_into_cache_dir_option(run, fake_nvcc, prebuilt, tmp_path, monkeypatch):
-    # --cache-dir overrides DSV4JIT_CACHE_DIR; the stand-in nvcc "compiles" by copying.
+def test_precompile_builds_into_cache_dir_option(run, fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir):
+    # --cache-dir overrides DSV4JIT_CACHE_DIR, for this command only; the stand-in nvcc "compiles" by copying.
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
     target = tmp_path / "image-cache"
     code, payload = run_json(run, "precompile", *SELECT, "--cache-dir", str(target))
     assert code == 0
     [row] = payload["results"]
     assert row["status"] == "built" and row["variant"] == SELFTEST_ID
-    assert len(entries_on_disk(target)) == 1
+    assert len(entries_on_disk(target)) == 1 and (target / "toolchain.json").is_file()
+    assert os.environ["DSV4JIT_CACHE_DIR"] == str(cache_dir)  # the process's own setting is left alone
+    assert entries_on_disk(cache_dir) == [] and not (cache_dir / "toolchain.json").exists()
+    code, payload = run_json(run, "precompile", *SELECT, "--cache-dir", str(target))  # looked up there too
+    assert [r["status"] for r in payload["results"]] == ["cached"]
+    code, payload = run_json(run, "precompile", *SELECT, "--dry-run")
+    assert [r["status"] for r in payload["results"]] == ["would build"]
 
 
 def test_precompile_failing_build_exits_1(run, fake_nvcc, monkeypatch, cache_dir):
@@ -255,13 +262,15 @@ def test_clean_without_selection_exits_2(run, warm_cache):
     assert warm_cache.entry.exists()
 
 
-def test_clean_stale_removes_old_stages_only(run, warm_cache, monkeypatch):
+def test_clean_stale_removes_the_leftovers_of_builds_but_no_live_stage(run, warm_cache, monkeypatch):
     monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "30")
     folder = warm_cache.entry.parent
     old, fresh = folder / ".stage-selftest__fp32_pdl-old-1", folder / ".stage-selftest__fp32_pdl-fresh-2"
-    for stage in (old, fresh):
-        stage.mkdir()
-        (stage / "wrapper.cu").write_text("// partial\n")
+    swapped, set_aside = folder / f".old-{warm_cache.entry.name}-1a2b3c4d", folder / f".bad-{warm_cache.entry.name}-5e6f7a8b"
+    other_schema = warm_cache.root / "v0"
+    for leftover in (old, fresh, swapped, set_aside, other_schema):
+        leftover.mkdir()
+        (leftover / "wrapper.cu").write_text("// partial\n")
     past = time.time() - 3600  # an hour ago, far beyond the 30 s build timeout
     os.utime(old, (past, past))
     failed = warm_cache.root / "failed" / "selftest__fp32_pdl-abc"
@@ -270,9 +279,27 @@ def test_clean_stale_removes_old_stages_only(run, warm_cache, monkeypatch):
 
     code, payload = run_json(run, "clean", "--stale")
     assert code == 0
-    assert sorted(payload["removed"]) == sorted([str(old), str(warm_cache.root / "failed")])
-    assert not old.exists() and fresh.exists()  # a stage younger than the timeout may be a live build
+    assert sorted(payload["removed"]) == sorted(str(p) for p in (old, swapped, set_aside, other_schema,
+                                                                 warm_cache.root / "failed"))
+    assert not any(p.exists() for p in (old, swapped, set_aside, other_schema, failed))
+    assert fresh.exists()  # a stage younger than the timeout may be a live build
     assert warm_cache.entry.exists()
+
+
+def test_clean_of_an_explicit_root_touches_only_that_root(warm_cache, prebuilt, tmp_path):
+    from dsv4jit.jit.clean import clean
+
+    other = tmp_path / "other-root"
+    shutil.copytree(prebuilt.root, other)
+    [entry] = entries_on_disk(other)
+    size = cache.dir_size(entry)
+    planned = clean(kernels={"selftest"}, dry_run=True, root=other)
+    assert (planned.root, planned.removed, planned.bytes, planned.dry_run) == (other, [entry], size, True)
+    assert entry.exists()
+    done = clean(kernels={"selftest"}, root=other)
+    assert (done.removed, done.bytes, done.dry_run) == ([entry], size, False)
+    assert entries_on_disk(other) == [] and warm_cache.entry.exists()
+    assert clean(kernels={"selftest"}, dry_run=True).removed == [warm_cache.entry]  # the default: DSV4JIT_CACHE_DIR
 
 
 def test_clean_stale_removes_superseded_keys(run, warm_cache, monkeypatch):
@@ -324,6 +351,23 @@ def test_info_check_without_gpu(run, warm_cache):
     assert code == 0
     assert info["check"]["ok"] is True
     assert SELFTEST_ID in info["check"]["detail"] and "not run" in info["check"]["detail"]
+
+
+@pytest.mark.parametrize("argv, setting, expected", [
+    (["--arch", "9.0a"], None, "selftest[dtype=fp32,pdl=1] for sm_90a"),
+    (["--arch", "8.0"], None, "selftest[dtype=fp32,pdl=0] for sm_80"),  # PDL needs sm_90
+    (["--arch", "9.0a"], "DSV4JIT_DISABLE_PDL", "selftest[dtype=fp32,pdl=0] for sm_90a"),
+])
+def test_info_check_loads_the_variant_the_ops_would(run, fake_nvcc, prebuilt, monkeypatch, argv, setting, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the check loads and does not run
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    if setting:
+        monkeypatch.setenv(setting, "1")
+    code, info = run_json(run, "info", "--check", *argv)
+    assert code == 0 and info["check"]["ok"] is True
+    assert info["check"]["detail"].startswith(f"{expected} loaded in ")
 
 
 def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):
@@ -399,6 +443,31 @@ def test_variant_id_errors_show_ids_that_work(run, argv, error):
     for example in examples.groups():
         code, payload = run_json(run, "list", "--set", example)
         assert code == 0 and [r["variant"] for r in payload["variants"]] == [example]
+
+
+def test_a_bug_shows_its_traceback_and_exits_3(run, warm_cache, monkeypatch):
+    """A ValueError from inside the library is not a usage error: nothing the user typed is wrong."""
+    def broken(root):
+        raise ValueError("manifest table in a bad state")
+
+    monkeypatch.setattr(cache, "iter_entries", broken)
+    code, out, err = run("list", "--entries")
+    assert code == cli.EXIT_BUG == 3 and out == ""
+    assert "Traceback (most recent call last)" in err and "ValueError: manifest table in a bad state" in err
+    assert "dsv4jit: internal error (exit 3): a bug in dsv4jit" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("setting, value, argv, message", [
+    ("DSV4JIT_JOBS", "many", ["precompile", *SELECT], "DSV4JIT_JOBS must be a number, got 'many'"),
+    ("DSV4JIT_BUILD_TIMEOUT", "1h", ["clean", "--stale"], "DSV4JIT_BUILD_TIMEOUT must be a number, got '1h'"),
+    ("DSV4JIT_CUDA_ARCH", "hopper", ["list", "--kernel", "selftest"],
+     "DSV4JIT_CUDA_ARCH: invalid CUDA arch 'hopper': expected e.g. 9.0a, 90a or sm_90a"),
+])
+def test_a_malformed_setting_is_a_usage_error(run, warm_cache, monkeypatch, setting, value, argv, message):
+    (warm_cache.entry.parent / ".stage-selftest__fp32_pdl-x-1").mkdir()  # clean --stale reads the timeout for it
+    monkeypatch.setenv(setting, value)
+    code, out, err = run(*argv)
+    assert (code, out, err) == (2, "", f"dsv4jit: {message}\n")
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

@@ -1,4 +1,6 @@
-"""Importing dsv4jit is cheap and inert: no CUDA, no tvm-ffi, no subprocess, no compile, no cache writes.
+"""Importing dsv4jit is cheap and inert: no CUDA, no tvm-ffi, no subprocess, no compile, no cache writes,
+and the package itself loads no library outside Python's own (counted, not timed: a time limit
+would fail on a loaded machine and pass a slow import on a fast one).
 
 Each check runs in a fresh interpreter, since this test process has long imported everything.
 """
@@ -22,6 +24,7 @@ def _recording_init(self, args, *rest, **kwargs):
     spawned.append(repr(args)[:200])
     return _init(self, args, *rest, **kwargs)
 subprocess.Popen.__init__ = _recording_init
+before = set(sys.modules)
 t = time.perf_counter()
 for name in sys.argv[1:]:
     __import__(name)
@@ -30,6 +33,7 @@ torch = sys.modules.get("torch")
 print(json.dumps({
     "seconds": seconds,
     "spawned": spawned,
+    "packages": sorted({m.split(".")[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)),
     "tvm_ffi": "tvm_ffi" in sys.modules,
     "torch": torch is not None,
     "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
@@ -64,20 +68,6 @@ def test_import_is_inert(modules, tmp_path, capsys):
               f"(torch imported: {report['torch']})")
 
 
-def test_import_time_of_the_package(tmp_path, capsys):
-    res = subprocess.run([sys.executable, "-X", "importtime", "-c", "import dsv4jit"], capture_output=True,
-                         text=True, timeout=120, env=fresh_env(tmp_path / "import-cache"))
-    assert res.returncode == 0, res.stderr
-    # Lines look like "import time:   self [us] | cumulative | imported package".
-    rows = {}
-    for line in res.stderr.splitlines():
-        if line.startswith("import time:") and "|" in line and "cumulative" not in line:
-            _, cumulative, name = (part.strip() for part in line[len("import time:"):].split("|"))
-            rows[name] = int(cumulative)
-    assert "dsv4jit" in rows, res.stderr[-2000:]
-    assert not any(name.split(".")[0] in ("torch", "tvm_ffi", "filelock") for name in rows)
-    seconds = rows["dsv4jit"] / 1e6
-    with capsys.disabled():
-        print(f"\n[import] python -X importtime: dsv4jit cumulative {seconds * 1e3:.2f} ms")
-    assert seconds < 0.5
-    assert probe(["dsv4jit"], tmp_path / "import-cache")["seconds"] < 0.5
+def test_the_package_loads_nothing_outside_the_standard_library(tmp_path):
+    # torch, tvm_ffi, filelock and numpy load when an op, the loader or the CLI first needs them
+    assert probe(["dsv4jit"], tmp_path / "import-cache")["packages"] == ["dsv4jit"]

@@ -16,6 +16,7 @@ import shlex
 import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
 from dsv4jit import cli
 from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss, DSV4JITError, \
     DSV4JITToolchainError
-from dsv4jit.jit import build, cache, loader, toolchain
+from dsv4jit.jit import batch, build, cache, loader, toolchain
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 
@@ -283,7 +284,7 @@ def test_warm_load_runs_no_subprocess(warm_cache, monkeypatch, selftest, arch):
     assert loader.resolve(selftest, arch).entry == warm_cache.entry
 
 
-def test_warm_load_time_in_a_fresh_process(warm_cache, capsys):
+def test_warm_load_in_a_fresh_process_spawns_nothing(warm_cache, capsys):
     script = CHILD_PRELUDE + """
 def forbidden(*args, **kwargs):
     raise AssertionError("warm load started a subprocess")
@@ -302,8 +303,8 @@ print(json.dumps({"first_ms": ms, "memo_us": (time.perf_counter() - t) * 1e6, "a
     with capsys.disabled():
         print(f"\n[warm load, fresh process] loader.load {result['first_ms']:.1f} ms; "
               f"memoised {result['memo_us']:.1f} us")
+    # no time limit: the time is printed for a person, measured by python -m dsv4jit.bench.loader
     assert result["affine"] == "Function"
-    assert result["first_ms"] < 200
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,3 +365,105 @@ def test_lock_file_survives_the_build(warm_cache, prebuilt, fake_nvcc, monkeypat
     loader.load(selftest, arch)
     locks = list(warm_cache.entry.parent.glob("*.lock"))
     assert locks and all((lock.parent / lock.name[: -len(".lock")] / "manifest.json").is_file() for lock in locks)
+
+
+# --------------------------------------------------------------------------------------------
+# (10) many builds at once: the builder of precompile and warmup, and an explicit write root
+
+
+def test_partition_splits_the_cached_from_what_to_build(warm_cache, monkeypatch, selftest, arch):
+    other = loader.variant("selftest", dtype="bf16", pdl=False)
+    cached, to_build = batch.partition([(selftest, arch), (other, arch)])
+    assert [r.entry for r in cached] == [warm_cache.entry] and [r.variant for r in to_build] == [other]
+    monkeypatch.setenv("DSV4JIT_FORCE_REBUILD", "1")
+    cached, to_build = batch.partition([(selftest, arch), (other, arch)])
+    assert cached == [] and [r.variant for r in to_build] == [selftest, other]
+
+
+def test_partition_without_a_compiler_raises_only_when_something_needs_building(warm_cache, no_toolchain, selftest,
+                                                                                arch):
+    [cached], [] = batch.partition([(selftest, arch)])
+    assert cached.entry == warm_cache.entry
+    with pytest.raises(DSV4JITToolchainError, match="nvcc not found"):
+        batch.partition([(selftest, arch), (loader.variant("selftest", dtype="bf16", pdl=False), arch)])
+
+
+def test_resolve_and_build_into_an_explicit_root(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir, selftest, arch):
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    other = tmp_path / "other-root"
+    res = loader.resolve(selftest, arch, other)
+    assert res.root == other and res.entry is None
+    built = loader.build_resolved(res, "test")
+    assert built.compiled and built.entry.is_relative_to(other) and (other / "toolchain.json").is_file()
+    assert loader.resolve(selftest, arch, other).entry == built.entry
+    assert loader.resolve(selftest, arch).entry is None and entries_on_disk(cache_dir) == []
+
+
+SELFTESTS = [loader.variant("selftest", dtype=d, pdl=p) for d in ("fp32", "bf16") for p in (True, False)]
+
+
+def test_batch_with_keep_going_collects_every_failure(fake_nvcc, tmp_path, monkeypatch, arch):
+    counter = tmp_path / "nvcc-runs"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=counter)))
+    todo = [loader.resolve(v, arch) for v in SELFTESTS]
+    seen = []
+    done = batch.build_all(todo, "test", 2, on_outcome=lambda i, o: seen.append((i, o)))
+    assert [o.status for o in done.outcomes] == ["failed"] * 4 and done.failures == done.outcomes
+    assert sorted(o.resolution.variant.id for o in done.outcomes) == sorted(v.id for v in SELFTESTS)
+    assert all(isinstance(o.error, DSV4JITBuildError) and "something broke" in str(o.error) for o in done.outcomes)
+    assert [i for i, _ in seen] == [1, 2, 3, 4] and [o for _, o in seen] == done.outcomes and done.jobs == 2
+    assert counted(counter) == 4
+
+
+@pytest.fixture
+def gated_builds(monkeypatch):
+    """loader.build_resolved replaced: the first build raises the exception set in ``gate["first"]``;
+    the others wait until the batch cancels (so none starts after the cancel), then succeed.
+    ``gate["started"]`` lists the variants whose build started."""
+    gate = {"first": None, "started": []}
+    cancelled = threading.Event()
+    cancel = batch._cancel
+
+    def cancel_and_tell(futures):
+        cancel(futures)
+        cancelled.set()
+
+    def build_resolved(res, reason):
+        gate["started"].append(res.variant)
+        if len(gate["started"]) == 1:
+            raise gate["first"]
+        cancelled.wait(60)
+        return build.Built(None, res.root, True, 0.0)
+
+    monkeypatch.setattr(batch, "_cancel", cancel_and_tell)
+    monkeypatch.setattr(loader, "build_resolved", build_resolved)
+    return gate
+
+
+def test_batch_without_keep_going_cancels_what_has_not_started_after_a_failure(gated_builds, warm_cache, arch):
+    gated_builds["first"] = DSV4JITBuildError(SELFTESTS[0].id, "sm_90a", "error: broke", "build.log", "nvcc")
+    done = batch.build_all([loader.resolve(v, arch) for v in SELFTESTS], "test", 1, keep_going=False)
+    statuses = [o.status for o in done.outcomes]
+    # with one thread the second build may have started before the cancel; the last two cannot have
+    assert statuses[0] == "failed" and statuses[1] in ("built", "cancelled") and statuses[2:] == ["cancelled"] * 2
+    assert done.failures[0].error is gated_builds["first"] and done.failures[0].resolution.variant == SELFTESTS[0]
+    assert SELFTESTS[2] not in gated_builds["started"] and SELFTESTS[3] not in gated_builds["started"]
+
+
+def test_a_bug_in_a_build_cancels_the_builds_not_started_and_propagates(gated_builds, warm_cache, arch):
+    gated_builds["first"] = ValueError("a bug")
+    with pytest.raises(ValueError, match="a bug"):
+        batch.build_all([loader.resolve(v, arch) for v in SELFTESTS[:3]], "test", 1)
+    assert gated_builds["started"][0] == SELFTESTS[0] and SELFTESTS[2] not in gated_builds["started"]
+
+
+def test_warmup_builds_through_the_batch_and_raises_its_first_failure(fake_nvcc, tmp_path, monkeypatch, cache_dir):
+    import dsv4jit
+
+    counter = tmp_path / "nvcc-runs"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=counter)))
+    with pytest.raises(DSV4JITBuildError) as err:
+        dsv4jit.warmup(arch="9.0a", head_dims={4: (512, 128)}, ops=("compress",), jobs=1)
+    assert err.value.variant.startswith("compress_c4[head_dim=")
+    assert counted(counter) == 2  # both were tried: a failure does not stop the other builds
+    assert entries_on_disk(cache_dir) == []

@@ -49,15 +49,15 @@ def fake_toolchain(fake_nvcc, monkeypatch) -> Path:
 def csrc_copy(tmp_path, monkeypatch):
     """Factory: copy the package's csrc tree somewhere else and make the loader use that copy.
 
-    ``header_closure`` binds ``csrc=CSRC`` as a default argument at import, so the default is
-    patched too (see ``test_key_follows_a_relocated_csrc`` for why that is needed).
+    Moving ``cache.CSRC`` is enough: ``header_closure`` reads it at each call (its ``csrc`` argument
+    defaults to None, see ``test_key_follows_a_relocated_csrc``); the closure memo is cleared so that
+    no digest of the old tree is reused.
     """
 
     def make(where: str) -> Path:
         tree = tmp_path / where / "csrc"
         shutil.copytree(cache.CSRC, tree)
         monkeypatch.setattr(cache, "CSRC", tree)
-        monkeypatch.setattr(cache.header_closure, "__defaults__", (tree,))
         cache._closure_memo.cache_clear()
         return tree
 

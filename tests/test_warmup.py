@@ -26,15 +26,26 @@ def ids(vs) -> list[str]:
     return [v.id for v in vs]
 
 
-def test_model_defaults_reach_planner_compress_and_store():
-    assert ids(variants(SM90)) == [
-        "plan[pdl=1]",
-        "compress_c4[head_dim=512,state=fp32,input=fp32,output=fp32,pdl=1]",
-        "compress_c4[head_dim=128,state=fp32,input=fp32,output=fp32,pdl=1]",
-        "compress_c128[head_dim=512,state=fp32,input=fp32,output=fp32,pdl=1]",
-        "store[dtype=fp32,format=v4_fp8,pdl=1]",
-        "store[dtype=fp32,format=indexer_fp8,pdl=1]",
-    ]
+#: DeepSeek-V4 as docs/contract.md states it (contract §1.6): compress ratio -> the head dims of its
+#: compressors (the 512-dim core latent on both ratios, the 128-dim indexer keys on c4 layers), fp32
+#: state; and the store format of each head dim when neither use_fp4 nor bf16_store is given
+#: (contract §6.5).
+MODEL_HEAD_DIMS = {4: (512, 128), 128: (512,)}
+DEFAULT_FORMAT = {512: "v4_fp8", 128: "indexer_fp8"}
+
+
+def test_model_defaults_reach_the_models_planner_compressors_and_stores():
+    fp32 = {"state": "fp32", "input": "fp32", "output": "fp32"}
+    expect = [("plan", {})]
+    expect += [(f"compress_c{ratio}", {"head_dim": hd, **fp32}) for ratio, hds in MODEL_HEAD_DIMS.items()
+               for hd in hds]
+    # one store variant per format: the c4 and c128 latents share v4_fp8
+    formats = dict.fromkeys(DEFAULT_FORMAT[hd] for hds in MODEL_HEAD_DIMS.values() for hd in hds)
+    expect += [("store", {"dtype": "fp32", "format": fmt}) for fmt in formats]
+    got = [(v.spec.name, frozenset(v.params.items())) for v in variants(SM90)]
+    assert len(set(got)) == len(got)
+    # every variant for sm_90a launches with PDL
+    assert set(got) == {(name, frozenset({**params, "pdl": True}.items())) for name, params in expect}
 
 
 def test_dtypes_formats_and_op_families():

@@ -1,6 +1,16 @@
 """``python -m dsv4jit`` / ``dsv4jit``: demo, bench, precompile, list, clean, info.
 
-Exit codes: 0 success; 1 a build, check or demo comparison failed; 2 usage or toolchain error.
+This module parses arguments and prints; what the commands do lives in the library (jit/ for the
+cache). Exit codes:
+
+* 0: success;
+* 1: the command ran and something it checked failed: a build, ``info --check``, a demo comparison,
+  or another `DSV4JITError` (its message, no traceback);
+* 2: the command cannot run as asked, and the message says what to change: an argument (argparse's
+  own errors, and a `UsageError` raised here while parsing or validating one), a ``DSV4JIT_*``
+  setting (`env.SettingError`), or a missing compiler (`DSV4JITToolchainError`);
+* 3: a bug in dsv4jit: any other exception, a ValueError from inside the library included, with
+  its traceback.
 """
 
 from __future__ import annotations
@@ -9,22 +19,20 @@ import argparse
 import functools
 import json
 import logging
-import os
 import re
-import shutil
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import traceback
 from pathlib import Path
 
 from . import __version__, env
 from .errors import DSV4JITError, DSV4JITToolchainError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
 
 class UsageError(Exception):
-    pass
+    """A command-line argument is wrong; raised only here, where arguments are parsed and validated
+    (a library error is wrapped in it only at the call that validates that argument)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -42,7 +50,10 @@ def _archs(text: str | None) -> list:
 
     if text in (None, ""):
         if forced := env.cuda_arch():
-            return [Arch.parse(forced)]
+            try:
+                return [Arch.parse(forced)]
+            except ValueError as e:
+                raise env.SettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
         text = "auto"
     if text == "auto":
         import torch
@@ -137,80 +148,62 @@ def _emit(args, payload, lines: list[str]) -> None:
 
 
 def cmd_precompile(args) -> int:
-    from .jit import build, loader
+    from .jit import batch
 
-    if args.cache_dir:
-        os.environ["DSV4JIT_CACHE_DIR"] = args.cache_dir
-    pairs = _targets(args)
-    todo, results = [], []
-    for v, a in pairs:
-        res = loader.resolve(v, a)
-        if res.entry is not None and not env.force_rebuild():
-            results.append({"variant": v.id, "arch": a.name, "status": "cached", "entry": str(res.entry)})
-        elif res.toolchain_error is not None:
-            raise res.toolchain_error
-        else:
-            todo.append(res)
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else None
+    cached, todo = batch.partition(_targets(args), root)
+    results = [{"variant": r.variant.id, "arch": r.arch.name, "status": "cached", "entry": str(r.entry)}
+               for r in cached]
     if args.dry_run:
         results += [{"variant": r.variant.id, "arch": r.arch.name, "status": "would build", "key": r.info.key}
                     for r in todo]
         _emit(args, {"results": results}, [f"{r['status']:>11}  {r['variant']}  {r['arch']}" for r in results])
         return EXIT_OK
-    jobs = args.jobs or build.default_jobs(len(todo))
-    start = time.monotonic()
-    failed = 0
 
-    def one(res):
-        t = time.monotonic()
-        return loader.build_resolved(res, "precompile"), time.monotonic() - t
+    def progress(i: int, outcome) -> None:
+        row = _outcome_row(outcome)
+        results.append(row)
+        if args.json or outcome.status == "cancelled":
+            return
+        if outcome.status == "built":
+            done = f"{outcome.seconds:.1f}s"
+        elif outcome.status == "cached":
+            done = f"built by another process (waited {outcome.built.waited:.1f}s)"
+        else:
+            done = f"FAILED\n{outcome.error}"
+        print(f"[{i}/{len(todo)}] {outcome.resolution.variant.id} {outcome.resolution.arch} {done}", flush=True)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(one, r): r for r in todo}
-        for i, fut in enumerate(as_completed(futures), 1):
-            r = futures[fut]
-            if fut.cancelled():  # after a failure without --keep-going
-                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cancelled"})
-                continue
-            try:
-                built, seconds = fut.result()
-                if built.compiled:
-                    results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "built",
-                                    "seconds": round(seconds, 2)})
-                    done = f"{seconds:.1f}s"
-                else:  # another process built it while this one waited for the key lock
-                    results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "cached",
-                                    "entry": str(built.entry), "waited": round(built.waited, 2)})
-                    done = f"built by another process (waited {built.waited:.1f}s)"
-                if not args.json:
-                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} {done}", flush=True)
-            except DSV4JITError as e:
-                failed += 1
-                results.append({"variant": r.variant.id, "arch": r.arch.name, "status": "failed", "error": str(e)})
-                if not args.json:
-                    print(f"[{i}/{len(todo)}] {r.variant.id} {r.arch} FAILED\n{e}", flush=True)
-                if not args.keep_going:
-                    for f in futures:
-                        f.cancel()
-    wall = time.monotonic() - start
+    done = batch.build_all(todo, "precompile", args.jobs, keep_going=args.keep_going, on_outcome=progress)
     counts = {s: sum(r["status"] == s for r in results) for s in ("built", "cached", "failed", "cancelled")}
     cancelled = f", cancelled {counts['cancelled']}" if counts["cancelled"] else ""
     summary = (f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']}{cancelled}, "
-               f"{wall:.1f}s wall (-j {jobs})")
-    _emit(args, {"results": results, "summary": counts, "wall_seconds": round(wall, 2)}, [summary])
-    return EXIT_FAILED if failed else EXIT_OK
+               f"{done.wall_seconds:.1f}s wall (-j {done.jobs})")
+    _emit(args, {"results": results, "summary": counts, "wall_seconds": round(done.wall_seconds, 2)}, [summary])
+    return EXIT_FAILED if done.failures else EXIT_OK
+
+
+def _outcome_row(outcome) -> dict:
+    """A build's line of ``precompile --json``."""
+    res = outcome.resolution
+    row = {"variant": res.variant.id, "arch": res.arch.name, "status": outcome.status}
+    if outcome.status == "built":
+        row["seconds"] = round(outcome.seconds, 2)
+    elif outcome.status == "cached":  # another process built it while this one waited for the key lock
+        row.update(entry=str(outcome.built.entry), waited=round(outcome.built.waited, 2))
+    elif outcome.status == "failed":
+        row["error"] = str(outcome.error)
+    return row
 
 
 def cmd_list(args) -> int:
     from .jit import cache, loader
+    from .jit.clean import is_orphan
 
     if args.entries:
-        rows = []
-        known = {(v.id) for v in _variants(None, ["all"])}
-        for root in cache.roots():
-            for entry, m in cache.iter_entries(root):
-                rows.append({"root": str(root), "entry": str(entry), "variant": m.get("variant"),
-                             "arch": m.get("arch"), "key": m.get("key"), "size": m.get("size"),
-                             "build_seconds": m.get("build_seconds"), "orphan": m.get("variant") not in known})
+        rows = [{"root": str(root), "entry": str(entry), "variant": m.get("variant"), "arch": m.get("arch"),
+                 "key": m.get("key"), "size": m.get("size"), "build_seconds": m.get("build_seconds"),
+                 "orphan": is_orphan(m)}
+                for root in cache.roots() for entry, m in cache.iter_entries(root)]
         _emit(args, {"entries": rows}, [f"{r['variant']}  {r['arch']}  {r['key']}  {r['size']} B"
                                         f"{'  (orphan)' if r['orphan'] else ''}  {r['entry']}" for r in rows])
         return EXIT_OK
@@ -240,81 +233,26 @@ def _parse_age(text: str) -> float:
 
 
 def cmd_clean(args) -> int:
-    from .jit import cache
+    from .jit.clean import clean
 
-    root = env.cache_dir()
     if not any((args.all, args.arch, args.kernel, args.stale, args.older_than, args.orphans)):
         raise UsageError("clean needs a selection: --all, --arch, --kernel, --stale, --older-than or --orphans")
-    for kernel in args.kernel or ():
-        _spec(kernel)
-    known = {v.id for v in _variants(None, ["all"])}
-    now = time.time()
-    base = root / f"v{cache.SCHEMA}"
-    doomed: list[Path] = []
-    if args.all or args.stale:  # old schemas, abandoned stages, swapped-out entries, failed-build logs
-        doomed += [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
-        doomed += [p for p in base.glob("*/*/.stage-*") if now - p.stat().st_mtime > env.build_timeout()]
-        doomed += list(base.glob("*/*/.old-*")) + list(base.glob("*/*/.bad-*"))
-        doomed += [root / "failed"] if (root / "failed").is_dir() else []
-    if args.stale:
-        doomed += _superseded(root)
+    kernels = {_spec(kernel).name for kernel in args.kernel or ()}
     max_age = _parse_age(args.older_than) if args.older_than else None
     archs = {a.name for a in _archs(args.arch)} if args.arch else set()
-    for entry, m in cache.iter_entries(root):
-        arch, kernel = entry.parent.parent.name, entry.parent.name
-        if (args.all or arch in archs or kernel in (args.kernel or ())
-                or (args.orphans and m.get("variant") not in known)
-                or (max_age is not None and now - m.get("built_at", now) > max_age)):
-            doomed.append(entry)
-    doomed = sorted(set(doomed))
-    freed = sum(cache.dir_size(p) for p in doomed)
-    if not args.dry_run:
-        for p in doomed:
-            _remove_entry(p)
-    verb = "would free" if args.dry_run else "freed"
-    _emit(args, {"removed": [str(p) for p in doomed], "bytes": freed, "dry_run": args.dry_run},
-          [f"{'would remove' if args.dry_run else 'removed'} {p}" for p in doomed] +
-          [f"{verb} {freed} bytes in {len(doomed)} paths under {root}"])
+    done = clean(everything=args.all, archs=archs, kernels=kernels, stale=args.stale, older_than=max_age,
+                 orphans=args.orphans, dry_run=args.dry_run)
+    verb = "would free" if done.dry_run else "freed"
+    _emit(args, {"removed": [str(p) for p in done.removed], "bytes": done.bytes, "dry_run": done.dry_run},
+          [f"{'would remove' if done.dry_run else 'removed'} {p}" for p in done.removed] +
+          [f"{verb} {done.bytes} bytes in {len(done.removed)} paths under {done.root}"])
     return EXIT_OK
-
-
-def _superseded(root: Path) -> list[Path]:
-    """Entries of registry variants whose key is no longer the current one (old headers or flags)."""
-    from .jit import cache, loader
-    from .jit.kernels import SPECS
-    from .jit.registry import parse_variant_id
-    from .jit.toolchain import Arch
-
-    old = []
-    for entry, m in cache.iter_entries(root):
-        try:
-            variant = parse_variant_id(m["variant"], SPECS)
-        except (KeyError, ValueError):
-            continue  # orphans have their own option
-        res = loader.resolve(variant, Arch(m["arch"]))
-        if res.info is not None and res.info.key != m.get("key"):
-            old.append(entry)
-    return old
-
-
-def _remove_entry(path: Path) -> None:
-    """Delete an entry under its key lock (where builders take it), so a concurrent builder of that
-    key is not disturbed."""
-    import filelock
-
-    from .jit.build import lock_file
-
-    lock = lock_file(env.cache_dir(), path)
-    if not lock.exists():
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    with filelock.FileLock(str(lock), timeout=env.lock_timeout()):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def cmd_info(args) -> int:
     import torch
 
+    from . import runtime
     from .jit import cache, loader
     from .jit.toolchain import device_arch, toolchain
 
@@ -350,8 +288,9 @@ def cmd_info(args) -> int:
                                     "entry": str(res.entry) if res.entry else None,
                                     "document": res.info.document if res.info else None})
     if args.check:
-        info["check"] = _self_check(archs[0])
-        status = EXIT_OK if info["check"]["ok"] else EXIT_FAILED
+        check = runtime.self_check(archs[0])
+        info["check"] = {"ok": check.ok, "detail": check.detail}
+        status = EXIT_OK if check.ok else EXIT_FAILED
     lines = [f"dsv4jit {info['dsv4jit']} (python {info['python']})"]
     nv = info["nvcc"]
     lines.append(f"nvcc: {nv.get('path', '-')} ({nv.get('version', nv.get('error'))})")
@@ -373,41 +312,19 @@ def cmd_info(args) -> int:
     return status
 
 
-def _self_check(arch) -> dict:
-    """Compile and load the trivial selftest kernel; run it when a GPU is present."""
-    import torch
-
-    from .jit import loader
-
-    try:
-        variant = loader.variant("selftest", dtype="fp32", pdl=arch.major >= 9 and not env.disable_pdl())
-        t = time.monotonic()
-        module = loader.load(variant, arch)
-        detail = f"{variant.id} for {arch} loaded in {time.monotonic() - t:.2f}s"
-        if torch.cuda.is_available():
-            x = torch.randn(4096, device="cuda")
-            out = torch.full_like(x, float("nan"))
-            module.affine(x, out, 2.0, 1.0)
-            torch.cuda.synchronize()
-            if not torch.equal(out, x * 2.0 + 1.0):
-                return {"ok": False, "detail": detail + "; GPU result mismatch"}
-            detail += "; ran on " + torch.cuda.get_device_name()
-        else:
-            detail += "; no GPU, not run"
-        return {"ok": True, "detail": detail}
-    except DSV4JITError as e:
-        return {"ok": False, "detail": str(e)}
-
-
 def cmd_demo(args) -> int:
     from .demo import run
 
-    device = run.resolve_device(args.device)
-    config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
-                            chunk=args.chunk, decode_steps=args.decode_steps, layers=args.layers, seed=args.seed,
-                            indexer_fp8=args.indexer_fp8 or None, graph=False if args.eager else None,
-                            decode_plans=args.decode_plans, check=False if args.no_check else None,
-                            fused=args.fused or None)
+    try:  # the calls that validate the options: their ValueErrors name the option
+        device = run.resolve_device(args.device)
+        config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt,
+                                max_prompt=args.max_prompt, chunk=args.chunk, decode_steps=args.decode_steps,
+                                layers=args.layers, seed=args.seed, indexer_fp8=args.indexer_fp8 or None,
+                                graph=False if args.eager else None, decode_plans=args.decode_plans,
+                                check=False if args.no_check else None, fused=args.fused or None)
+        config.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     progress = not args.no_progress and sys.stderr.isatty()
     result = run.run_demo(config, str(device), progress=progress)
     _emit(args, result.as_dict(), run.format_result(result))
@@ -434,8 +351,10 @@ def cmd_bench(args) -> int:
     rows = report.run_benchmarks(names, args.only, on_start=lambda n: print(f"running dsv4jit.bench.{n}",
                                                                             file=sys.stderr, flush=True))
     header = (f"# dsv4jit benchmarks\n\n{torch.cuda.get_device_name()}, dsv4jit {__version__}, "
-              f"torch {torch.__version__}. \"% copy\" is against the measured device copy bandwidth.\n")
+              f"torch {torch.__version__}.\n")
     paths = report.write_report(rows, Path(args.out), header)
+    if not report.can_plot():
+        print(report.PLOTS_NEED, file=sys.stderr)
     _emit(args, {"files": [str(p) for p in paths], "rows": [vars(r) for r in rows]},
           [report.markdown(rows)] + [f"wrote {p}" for p in paths])
     return EXIT_OK
@@ -506,8 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--json", action="store_true", help="machine-readable result")
     pd.set_defaults(func=cmd_demo)
 
-    pb = sub.add_parser("bench", help="run the kernel benchmarks; write markdown, CSV and PNG plots")
-    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png); required unless --list")
+    pb = sub.add_parser("bench", help="run the kernel benchmarks (L2-cold); write markdown, CSV and, with "
+                        "matplotlib, PNG plots")
+    pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png with matplotlib); required "
+                    "unless --list")
     pb.add_argument("--bench", action="append",
                     help="run only this benchmark module (repeatable; default: every module)")
     pb.add_argument("--only", default="", help="run the cases whose name contains this text (default: every case)")
@@ -565,15 +486,17 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"dsv4jit: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (DSV4JITToolchainError, ValueError) as e:
+    except (UsageError, env.SettingError, DSV4JITToolchainError) as e:
         print(f"dsv4jit: {e}", file=sys.stderr)
         return EXIT_USAGE
     except DSV4JITError as e:
         print(str(e), file=sys.stderr)
         return EXIT_FAILED
+    except Exception:  # noqa: BLE001 - a bug: the traceback says where
+        traceback.print_exc()
+        print(f"dsv4jit: internal error (exit {EXIT_BUG}): a bug in dsv4jit {__version__}; please report it "
+              "with the traceback above", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ import shlex
 from pathlib import Path
 
 
+class SettingError(ValueError):
+    """A ``DSV4JIT_*`` variable holds a value dsv4jit cannot use (the CLI reports it as a usage error)."""
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -23,7 +27,7 @@ def _number(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        raise SettingError(f"{name} must be a number, got {raw!r}") from None
 
 
 def cache_dir() -> Path:
@@ -118,7 +122,7 @@ def verbose_build() -> bool:
 def cache_fallback() -> str:
     value = os.environ.get("DSV4JIT_CACHE_FALLBACK", "error").strip().lower()
     if value not in ("error", "tmp"):
-        raise ValueError(f"DSV4JIT_CACHE_FALLBACK must be 'error' or 'tmp', got {value!r}")
+        raise SettingError(f"DSV4JIT_CACHE_FALLBACK must be 'error' or 'tmp', got {value!r}")
     return value
 
 

@@ -12,14 +12,13 @@ lists them by the name ``ops`` takes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import torch
 
 from . import arguments, compat, env, plan, runtime
 from .family import ModelConfig
-from .jit import build, loader
+from .jit import batch, loader
 from .jit.registry import Variant, unique
 from .jit.toolchain import Arch
 from .ops import compress, fused, online, store
@@ -130,7 +129,6 @@ def _build_missing(todo: list[Variant], arch: Arch, jobs: Optional[int]) -> None
     missing = [r for r in (loader.resolve(v, arch) for v in todo) if r.entry is None and r.toolchain_error is None]
     if not missing:
         return
-
-    with ThreadPoolExecutor(max_workers=jobs or build.default_jobs(len(missing))) as pool:
-        for _ in pool.map(lambda r: loader.build_resolved(r, "warmup"), missing):
-            pass
+    failures = batch.build_all(missing, "warmup", jobs).failures
+    if failures:  # every build has been tried, so the others are cached for the next attempt
+        raise failures[0].error

@@ -1,13 +1,18 @@
-"""From a torch device to a loaded kernel function: arch, PDL default, memo.
+"""From a torch device to a loaded kernel function: arch, PDL default, memo; and a self check of
+that path (``python -m dsv4jit info --check``).
 
 This is the only place the ops layer touches the loader; lookups after the first are one dict hit.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from . import env
+from .errors import DSV4JITError
 from .jit import loader
 from .jit.kernels import SPECS
 from .jit.registry import Variant
@@ -85,3 +90,30 @@ def raise_status(status: torch.Tensor | None, op: str, kernel: str, device: torc
     if any(words):
         texts = [function(kernel, export, device, **params)(word) for export, word in zip(describe, words) if word]
         raise ValueError(f"dsv4jit.{op} (checked mode): {'; '.join(filter(None, texts))}")
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    ok: bool
+    detail: str  # what was loaded for which arch and how long it took, or what went wrong
+
+
+def self_check(arch: Arch) -> SelfCheck:
+    """Load (compiling on a miss) the trivial selftest kernel for `arch` as the ops would (the same PDL
+    default), and when a GPU is visible run it and compare. A loader error fails the check."""
+    try:
+        selftest = variant("selftest", arch, dtype="fp32")
+        start = time.monotonic()
+        module = loader.load(selftest, arch)
+    except DSV4JITError as e:
+        return SelfCheck(False, str(e))
+    detail = f"{selftest.id} for {arch} loaded in {time.monotonic() - start:.2f}s"
+    if not torch.cuda.is_available():
+        return SelfCheck(True, detail + "; no GPU, not run")
+    x = torch.randn(4096, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    module.affine(x, out, 2.0, 1.0)
+    torch.cuda.synchronize()
+    if not torch.equal(out, x * 2.0 + 1.0):
+        return SelfCheck(False, detail + "; GPU result mismatch")
+    return SelfCheck(True, detail + "; ran on " + torch.cuda.get_device_name())

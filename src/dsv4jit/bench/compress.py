@@ -1,4 +1,5 @@
-"""compress_forward throughput: µs, bytes moved, GB/s and % of the measured copy bandwidth.
+"""compress_forward throughput: µs (L2-cold eager and graph, and warm), bytes moved, GB/s and % of
+the measured copy bandwidth.
 
     python -m dsv4jit.bench.compress [--json] [--only TEXT]
 
@@ -14,7 +15,7 @@ import torch
 from .. import plan_layout
 from ..ops import compress_forward
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from . import timing
+from . import report, timing
 
 SWA_PAGE = 256
 
@@ -96,17 +97,17 @@ def cases() -> list[tuple]:
     return c
 
 
-def run(only: str = "") -> timing.BandwidthReport:
-    report = timing.BandwidthReport()
+def run(only: str = "") -> list[timing.Row]:
+    bandwidth = timing.Bandwidth("compress")
     for name, ratio, hd, seq, ext, state_dtype in cases():
         if only in name:
             case = Case(name, ratio, hd, seq, ext, ext is None, state_dtype)
-            report.measure(case.name, case.bytes, case)
-    return report
+            bandwidth.measure(case.name, case.bytes, case)
+    return bandwidth.rows
 
 
 def main(argv=None) -> None:
-    timing.bandwidth_main(__doc__, run, argv)
+    report.main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ the ape row, the stored state (3·hd, unless the token opens a chunk), then the 
 boundary, the pooled row) and the output row. Online prefill: every input row once, ape once, and
 per segment row its plan, the stored state it merges (if it continues a chunk) and its output row
 (plan_c) or stored state (plan_w). The plain c128 rows use bench/compress.py's count. Reported
-against the measured copy bandwidth and against 4.2 TB/s.
+against the measured copy bandwidth and against 4.2 TB/s (``pct_peak``). Times: L2-cold eager and
+graph, and warm.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from ..ops import compress_forward
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from . import compress, timing
+from . import compress, report, timing
 
 HD = 512
 PEAK_GBS = 4200.0
@@ -68,37 +69,26 @@ def cases() -> list[tuple]:
     return c
 
 
-class Report(timing.BandwidthReport):
-    def print(self) -> None:
-        super().print()
-        print(f"% of {PEAK_GBS / 1000:.1f} TB/s:")
-        for r in self.rows:
-            print(f"  {r['case']}: {100 * r['gbs'] / PEAK_GBS:.1f}%")
+def run(only: str = "") -> list[timing.Row]:
+    bandwidth = timing.Bandwidth("online")
 
-    def as_dict(self) -> dict:
-        d = super().as_dict()
-        for r in d["rows"]:
-            r["pct_peak"] = 100 * r["gbs"] / PEAK_GBS
-        return d
+    def measure(name, case):
+        row = bandwidth.measure(name, case.bytes, case)
+        row.ratios["pct_peak"] = 100 * row.gbs / PEAK_GBS
 
-
-def run(only: str = "") -> timing.BandwidthReport:
-    report = Report()
     for name, seq, ext in cases():
         for state_dtype, tag in ((torch.float32, ""), (torch.bfloat16, " bf16-state")):
             online = f"online {name}{tag}"
             if only in online:
-                case = OnlineCase(seq, ext, ext is None, state_dtype)
-                report.measure(online, case.bytes, case)
+                measure(online, OnlineCase(seq, ext, ext is None, state_dtype))
         plain = f"plain c128 {name}"
         if only in plain:
-            case = compress.Case(plain, 128, HD, seq, ext, ext is None)
-            report.measure(plain, case.bytes, case)
-    return report
+            measure(plain, compress.Case(plain, 128, HD, seq, ext, ext is None))
+    return bandwidth.rows
 
 
 def main(argv=None) -> None:
-    timing.bandwidth_main(__doc__, run, argv)
+    report.main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Host-side cost of each layer of a call (CPU µs per call, medians; the GPU runs behind).
 
-    python -m dsv4jit.bench.overhead [--only TEXT]
+    python -m dsv4jit.bench.overhead [--json] [--only TEXT]
 
 Separates torch allocation, the tvm-ffi call with its argument checks, the kernel launch, and the
 Python wrappers, so the cost of an op's eager call can be attributed.
@@ -8,13 +8,12 @@ Python wrappers, so the cost of an op's eager call can be attributed.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import runtime
 from ..ops import compress_forward, compress_norm_rope_store
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from . import timing
+from . import report, timing
 
 
 def run(only: str = "") -> list[timing.Row]:
@@ -23,8 +22,7 @@ def run(only: str = "") -> list[timing.Row]:
 
     def add(name, fn):
         if only in name:
-            us = timing.host_us(fn)
-            rows.append(timing.Row("overhead", name, us, "host", times={"host": us}))
+            rows.append(timing.Row.best_of("overhead", name, {"host": timing.host_us(fn)}, ("host",)))
 
     add("torch.empty((256, 16), uint8)", lambda: torch.empty((256, 16), dtype=torch.uint8, device=dev))
     x1 = torch.randn(1, device=dev)
@@ -73,9 +71,7 @@ def run(only: str = "") -> list[timing.Row]:
 
 
 def main(argv=None) -> None:
-    args = timing.bench_args(__doc__, argv, json_flag=False)
-    for row in run(args.only):
-        print(f"{row.case:44s} {row.us:8.2f} µs")
+    report.main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

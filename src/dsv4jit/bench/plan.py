@@ -1,16 +1,17 @@
-"""Planner latency: host+device (wall) and kernel-only (events), medians in µs.
+"""Planner latency, medians in µs: wall (the call until its GPU work is done, one synchronize
+included; wall_minus_sync without an idle synchronize), host (the CPU's part; the GPU runs behind)
+and, where the lengths are on the GPU, graph (device time of one call replayed from a CUDA graph).
+wall and graph are L2-cold (bench/timing.py).
 
     python -m dsv4jit.bench.plan [--json] [--only TEXT]
 """
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from . import timing
+from . import report, timing
 
 
 def _pool(batch: int, max_ctx: int, device):
@@ -22,7 +23,7 @@ def _pool(batch: int, max_ctx: int, device):
     return req_pool_indices, req_to_token, full_to_state
 
 
-def prefill_case(name, ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=False) -> dict:
+def prefill_case(ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=False) -> dict[str, float]:
     dev = torch.device("cuda")
     batch, max_ctx = len(seq), max(seq) + 256
     rpi, r2t, f2s = _pool(batch, max_ctx, dev)
@@ -35,13 +36,13 @@ def prefill_case(name, ratio, seq, ext, ring, on_gpu_lengths, use_cuda_graph=Fal
         return CompressorPrefillPlan.generate(ratio, rpi, seq_t, ext_t, r2t, f2s, 256, ring, num_q,
                                               use_cuda_graph=use_cuda_graph)
 
-    row = {"case": name, "wall_us": timing.wall_us(call), "host_us": timing.host_us(call)}
+    times = {"wall": timing.wall_us(call), "host": timing.host_us(call)}
     if on_gpu_lengths:
-        row["graph_us"] = timing.graph_us(call)
-    return row
+        times["graph"] = timing.graph_us(call)
+    return times
 
 
-def decode_case(name, ratio, batch, ring) -> dict:
+def decode_case(ratio, batch, ring) -> dict[str, float]:
     dev = torch.device("cuda")
     rpi, r2t, f2s = _pool(batch, 4096, dev)
     seq_t = torch.randint(1, 4000, (batch,), dtype=torch.int64, device=dev)
@@ -49,54 +50,35 @@ def decode_case(name, ratio, batch, ring) -> dict:
     def call():
         return CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq_t, 256, ring)
 
-    return {"case": name, "wall_us": timing.wall_us(call), "host_us": timing.host_us(call),
-            "graph_us": timing.graph_us(call)}
+    return {"wall": timing.wall_us(call), "host": timing.host_us(call), "graph": timing.graph_us(call)}
 
 
 CASES = [
-    ("prefill c4 cpu-lengths 1x8192", lambda name: prefill_case(name, 4, [8192], [8192], 8, False)),
-    ("prefill c4 cpu-lengths 16x512", lambda name: prefill_case(name, 4, [512] * 16, [512] * 16, 8, False)),
-    ("prefill c128 cpu-lengths 1x8192", lambda name: prefill_case(name, 128, [8192], [8192], 128, False)),
+    ("prefill c4 cpu-lengths 1x8192", lambda: prefill_case(4, [8192], [8192], 8, False)),
+    ("prefill c4 cpu-lengths 16x512", lambda: prefill_case(4, [512] * 16, [512] * 16, 8, False)),
+    ("prefill c128 cpu-lengths 1x8192", lambda: prefill_case(128, [8192], [8192], 128, False)),
     ("prefill c4 gpu-lengths B=256 MTP E=4",
-     lambda name: prefill_case(name, 4, [1000 + 7 * i for i in range(256)], [4] * 256, 16, True)),
+     lambda: prefill_case(4, [1000 + 7 * i for i in range(256)], [4] * 256, 16, True)),
     ("prefill c4 gpu-lengths B=64 ragged",
-     lambda name: prefill_case(name, 4, [300 + 37 * i for i in range(64)], [1 + (13 * i) % 97 for i in range(64)], 8,
-                               True)),
-    ("decode c4 B=256", lambda name: decode_case(name, 4, 256, 8)),
+     lambda: prefill_case(4, [300 + 37 * i for i in range(64)], [1 + (13 * i) % 97 for i in range(64)], 8, True)),
+    ("decode c4 B=256", lambda: decode_case(4, 256, 8)),
 ]
 
 
-def measure(only: str = "") -> list[dict]:
-    rows = [make(name) for name, make in CASES if only in name]
+def run(only: str = "") -> list[timing.Row]:
+    """Headline: graph where the lengths are on the GPU, else wall_minus_sync."""
+    measured = {name: make() for name, make in CASES if only in name}
     sync = timing.sync_overhead_us()
-    for r in rows:
-        r["wall_minus_sync_us"] = r["wall_us"] - sync
+    rows = []
+    for name, times in measured.items():
+        times["wall_minus_sync"] = times["wall"] - sync
+        headline = ("graph",) if "graph" in times else ("wall_minus_sync",)
+        rows.append(timing.Row.best_of("plan", name, times, headline))
     return rows
 
 
-def run(only: str = "") -> list[timing.Row]:
-    """Headline: device time in a graph replay where the lengths are on the GPU, else wall − sync."""
-    out = []
-    for r in measure(only):
-        times = {k[:-3]: v for k, v in r.items() if k.endswith("_us")}
-        graph = "graph_us" in r
-        out.append(timing.Row("plan", r["case"], r["graph_us"] if graph else r["wall_minus_sync_us"],
-                              "graph" if graph else "wall_minus_sync", times=times))
-    return out
-
-
 def main(argv=None) -> None:
-    args = timing.bench_args(__doc__, argv)
-    rows = measure(args.only)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return
-    print("wall: call until its GPU work is done (incl. one synchronize); wall-sync: minus an idle synchronize;")
-    print("host: CPU time of the call (GPU runs behind); graph: device time per call in a CUDA graph replay")
-    print(f"{'case':42s} {'wall':>8s} {'wall-sync':>10s} {'host':>8s} {'graph':>8s}  (µs, medians)")
-    for r in rows:
-        g = f"{r['graph_us']:8.2f}" if "graph_us" in r else f"{'-':>8s}"
-        print(f"{r['case']:42s} {r['wall_us']:8.2f} {r['wall_minus_sync_us']:10.2f} {r['host_us']:8.2f} {g}")
+    report.main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,37 @@
 """``python -m dsv4jit bench --out DIR``: every benchmark module in one run, written as a markdown
-table, a CSV and one bar chart per benchmark (% of the copy bandwidth per case).
+table and a CSV, and, where matplotlib is installed (``pip install 'dsv4jit[bench]'``), one bar chart
+per benchmark (% of the copy bandwidth per case).
 
-Benchmarks are discovered: each module of this package with a ``run(only)`` function is one (its
-result is a ``timing.BandwidthReport``, a list of ``timing.Row``, or a ``{"rows": [dict, ...]}``
-report whose dict rows name their timings ``*_us`` and their bandwidth share ``*pct_copy``).
+Benchmarks are discovered: each module of this package with a ``run(only)`` function is one; it
+returns a list of ``timing.Row``. ``main`` is the command line of each module run alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import importlib
+import json
 import math
 import pkgutil
 from collections.abc import Callable
 from pathlib import Path
 
-from . import png
-from .timing import BandwidthReport, Row
+from .timing import MIN_FLUSH_BYTES, WARM_CALLS, Row
 
 #: Modules of this package that are helpers, not benchmarks.
-HELPERS = {"timing", "report", "png"}
-#: Preferred order of the headline timing when a dict row offers several.
-_HEADLINE = ("graph", "eager", "wall_minus_sync", "wall", "host")
+HELPERS = {"timing", "report"}
+#: How the figures are taken; heads every report.
+METHOD = (f"Medians in µs, L2-cold unless labelled warm: before every timed call a write of twice the L2 size "
+          f"(at least {MIN_FLUSH_BYTES >> 20} MiB) evicts the L2, outside the timed region. eager: CUDA events "
+          f"around one call; graph: events around the replay of a CUDA graph holding one call; warm: per call of "
+          f"{WARM_CALLS} calls replayed in one graph on the same inputs, no flush (data partly L2-resident); "
+          "wall: the call until its GPU work is done; host: the CPU's time of a call (no flush: the L2 does not "
+          "enter it). µs is the headline timing named in the timing column (the faster of cold eager and graph "
+          "where both are taken). \"% copy\" is its GB/s against the measured device copy bandwidth (the "
+          "\"device copy\" row).\n")
+PLOTS_NEED = "no plots: they need matplotlib (pip install 'dsv4jit[bench]')"
 
 
 def discover() -> list[str]:
@@ -37,30 +47,12 @@ def discover() -> list[str]:
     return sorted(names)
 
 
-def _row_from_dict(bench: str, d: dict) -> Row:
-    times = {k[:-3]: float(v) for k, v in d.items() if k.endswith("_us") and isinstance(v, (int, float))}
-    pct_key = next((k for k in d if k.endswith("pct_copy")), None)
-    prefix = pct_key[:-len("pct_copy")] if pct_key else ""
-    gbs_key = next((k for k in d if k.endswith("gbs")), None)
-    # the timing the bandwidth share refers to: the faster of <prefix>graph / <prefix>eager, else a preference order
-    candidates = {k: times[k] for k in (prefix + "graph", prefix + "eager") if k in times}
-    if candidates:
-        timing = min(candidates, key=candidates.get)
-    else:
-        timing = next((k for k in _HEADLINE if k in times), next(iter(times), ""))
-    return Row(bench, str(d.get("case", "?")), times.get(timing, math.nan), timing, d.get("bytes"),
-               d.get(gbs_key) if gbs_key else None, d.get(pct_key) if pct_key else None, times)
-
-
 def rows_of(bench: str, result) -> list[Row]:
-    """Normalise what a benchmark's ``run`` returned to rows."""
-    if isinstance(result, BandwidthReport):
-        return result.to_rows(bench)
-    if isinstance(result, dict):
-        return [_row_from_dict(bench, d) for d in result.get("rows", [])]
+    """What a benchmark's ``run`` returned, checked to be rows."""
     rows = list(result)
-    if not all(isinstance(r, Row) for r in rows):
-        raise TypeError(f"benchmark {bench!r}: run() returned rows that are not timing.Row")
+    wrong = [type(r).__name__ for r in rows if not isinstance(r, Row)]
+    if wrong:
+        raise TypeError(f"benchmark {bench!r}: run() must return a list of timing.Row, got {sorted(set(wrong))}")
     return rows
 
 
@@ -74,10 +66,22 @@ def run_benchmarks(names: list[str], only: str = "",
     return rows
 
 
+def main(description: str, run: Callable[[str], list[Row]], argv=None) -> None:
+    """The command line of a benchmark module run alone: ``[--json] [--only TEXT]``; prints its rows
+    as the combined report does (markdown), or as JSON."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.add_argument("--only", default="", help="run the cases whose name contains this text (default: every case)")
+    args = p.parse_args(argv)
+    rows = run(args.only)
+    print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) if args.json else markdown(rows))
+
+
 # ------------------------------------------------------------------------------------- writers
 
-def _time_kinds(rows: list[Row]) -> list[str]:
-    return list(dict.fromkeys(k for r in rows for k in r.times))
+def _kinds(rows: list[Row], attr: str) -> list[str]:
+    """The keys of ``times`` or ``ratios`` over the rows, in first-seen order."""
+    return list(dict.fromkeys(k for r in rows for k in getattr(r, attr)))
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -87,18 +91,21 @@ def _fmt(value, digits: int = 2) -> str:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    kinds = _time_kinds(rows)
+    kinds, ratios = _kinds(rows, "times"), _kinds(rows, "ratios")
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["bench", "case", "timing", "us", "bytes", "gbs", "pct_copy"] + [f"{k}_us" for k in kinds])
+        out.writerow(["bench", "case", "timing", "us", "bytes", "gbs", "pct_copy"] + [f"{k}_us" for k in kinds]
+                     + ratios)
         for r in rows:
             out.writerow([r.bench, r.case, r.timing, _fmt(r.us, 3), _fmt(r.bytes), _fmt(r.gbs, 1),
-                          _fmt(r.pct_copy, 2)] + [_fmt(r.times.get(k), 3) for k in kinds])
+                          _fmt(r.pct_copy, 2)] + [_fmt(r.times.get(k), 3) for k in kinds]
+                         + [_fmt(r.ratios.get(k), 3) for k in ratios])
 
 
 def markdown(rows: list[Row], header: str = "") -> str:
-    """One section per benchmark; columns that no row of it fills are left out."""
-    out = [header] if header else []
+    """The header, how the figures are taken (METHOD), then one section per benchmark; columns that
+    no row of it fills are left out."""
+    out = ([header] if header else []) + [METHOD]
     for bench in dict.fromkeys(r.bench for r in rows):
         mine = [r for r in rows if r.bench == bench]
         cols = [("case", lambda r: r.case.replace("|", "/"), "---")]
@@ -110,8 +117,10 @@ def markdown(rows: list[Row], header: str = "") -> str:
             cols.append(("GB/s", lambda r: _fmt(r.gbs, 0), "---:"))
         if any(r.pct_copy is not None for r in mine):
             cols.append(("% copy", lambda r: _fmt(r.pct_copy, 1), "---:"))
-        for kind in _time_kinds(mine):
+        for kind in _kinds(mine, "times"):
             cols.append((f"{kind} µs", lambda r, k=kind: _fmt(r.times.get(k)), "---:"))
+        for kind in _kinds(mine, "ratios"):
+            cols.append((kind, lambda r, k=kind: _fmt(r.ratios.get(k)), "---:"))
         out += [f"## {bench}", "", "| " + " | ".join(c[0] for c in cols) + " |",
                 "| " + " | ".join(c[2] for c in cols) + " |"]
         out += ["| " + " | ".join(c[1](r) for c in cols) + " |" for r in mine]
@@ -119,21 +128,50 @@ def markdown(rows: list[Row], header: str = "") -> str:
     return "\n".join(out)
 
 
+def can_plot() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (the optional extra dsv4jit[bench])
+    except ImportError:
+        return False
+    return True
+
+
+def bar_chart(title: str, labels: list[str], values: list[float]):
+    """A matplotlib Figure (no pyplot, so no global backend state): one horizontal bar per value (%),
+    labelled with it, in the order given from the top; the axis from 0 to at least 100, with room for
+    the labels."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 1.2 + 0.3 * len(labels)), layout="constrained")
+    ax = fig.subplots()
+    ax.bar_label(ax.barh(range(len(values)), values, color="#3465a4"), fmt="%.1f%%", padding=3, fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max([100.0] + [v for v in values if not math.isnan(v)]) * 1.12)
+    ax.grid(axis="x", color="#d7d7d7")
+    ax.set_axisbelow(True)
+    ax.set_title(title)
+    return fig
+
+
 def write_plots(rows: list[Row], out_dir: Path) -> list[Path]:
-    """One PNG per benchmark that reports a share of the copy bandwidth."""
+    """One PNG per benchmark that reports a share of the copy bandwidth; none without matplotlib."""
+    if not can_plot():
+        return []
     paths = []
     for bench in dict.fromkeys(r.bench for r in rows):
         mine = [r for r in rows if r.bench == bench and r.pct_copy is not None]
         if mine:
             path = out_dir / f"{bench}.png"
-            png.bar_chart(path, f"{bench}: % of copy bandwidth", [r.case for r in mine],
-                          [float(r.pct_copy) for r in mine])
+            bar_chart(f"{bench}: % of copy bandwidth (L2-cold)", [r.case for r in mine],
+                      [float(r.pct_copy) for r in mine]).savefig(path, dpi=100)
             paths.append(path)
     return paths
 
 
 def write_report(rows: list[Row], out_dir: Path, header: str = "") -> list[Path]:
-    """bench.md, bench.csv and <bench>.png files under ``out_dir`` (created); returns the paths."""
+    """bench.md, bench.csv and, with matplotlib, <bench>.png files under ``out_dir`` (created);
+    returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md, table = out_dir / "bench.md", out_dir / "bench.csv"
     md.write_text(markdown(rows, header))

@@ -1,4 +1,5 @@
-"""compress_norm_rope_store throughput: µs, bytes moved, GB/s, % of copy bandwidth.
+"""compress_norm_rope_store throughput: µs (L2-cold eager and graph, and warm), bytes moved, GB/s, %
+of copy bandwidth.
 
     python -m dsv4jit.bench.store [--json] [--only TEXT]
 
@@ -14,7 +15,8 @@ from .. import plan_layout
 from ..geometry import format_head_dim, page_bytes, written_bytes
 from ..ops import compress_norm_rope_store
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from . import timing
+from . import report, timing
+
 
 class Case:
     def __init__(self, fmt: str, rows: int, decode: bool, page_size: int = 64, ratio: int = 4):
@@ -52,20 +54,20 @@ class Case:
                                  use_fp4=self.use_fp4)
 
 
-def run(only: str = "") -> timing.BandwidthReport:
-    report = timing.BandwidthReport()
+def run(only: str = "") -> list[timing.Row]:
+    bandwidth = timing.Bandwidth("store")
     for fmt in ("v4_fp8", "indexer_fp8", "indexer_fp4"):
         for decode in (False, True):
             for n in (16, 256, 2048, 16384):
                 name = f"{'decode' if decode else 'prefill'} {fmt} N={n}"
                 if only in name:
                     case = Case(fmt, n, decode)
-                    report.measure(name, case.bytes, case)
-    return report
+                    bandwidth.measure(name, case.bytes, case)
+    return bandwidth.rows
 
 
 def main(argv=None) -> None:
-    timing.bandwidth_main(__doc__, run, argv)
+    report.main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

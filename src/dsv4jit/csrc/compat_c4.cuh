@@ -1,6 +1,7 @@
 // The older c4 entry points (contract §7) on the device code of the main c4 kernel: the same
 // Window<4, hd> geometry and the same Kernels<4, hd, ...> slot loads, masking, reduction, output
-// sink and state stores, and the same pool_slots; only the addressing differs. Two page modes, chosen by the presence of `extra`:
+// sink and state stores, and the same pooling; only the addressing differs. Two page modes, chosen
+// by the presence of `extra`:
 //
 //   ring   (no extra): kv_score_buffer [num_indices, 8, 4·hd]; request indices[b] owns one 8-row
 //          ring, position q at ring row q mod 8. Viewed as 4-row pages, the ring is the pair
@@ -110,7 +111,7 @@ struct Kernels {
     K::template load_window<W::kSlots>(p.base, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
     float v[C];
-    const bool holds = K::template reduce_unit<false>(lane, pool_slots(kv, z), v);
+    const bool holds = K::template reduce_unit<false>(lane, kv, z, v);
     emit(p, lane, out_row, holds, v);
   }
 

@@ -176,15 +176,14 @@ struct Kernels {
     for (int c = 0; c < C; ++c) kv[c] = 0.0f, z[c] = -INFINITY;
   }
 
-  /// Merges the unit's per-warp partials (merge_warps) into the pooled values of this lane's
-  /// channels; true in the warp that holds them.
+  /// Pools the unit's window (pool_unit: this warp holds kSlots of it) into the pooled values of
+  /// this lane's channels; true in the warp that holds them.
   template <bool kSlicesInTurn>
-  static DSV4_DEV bool reduce_unit(const Lane& lane, const SoftmaxPartial<C>& part, float (&v)[C]) {
-    SoftmaxPartial<C> total = part;
-    if constexpr (W::kWarpsPerUnit > 1) {
-      const int slice = lane.channel / W::kUnitChannels;
-      if (!merge_warps<W::kWarpsPerUnit, kSlicesInTurn>(total, lane.warp_in_unit, slice)) return false;
-    }
+  static DSV4_DEV bool reduce_unit(const Lane& lane, const float (&kv)[kSlots][C], const float (&z)[kSlots][C],
+                                   float (&v)[C]) {
+    SoftmaxPartial<C> total;
+    const int slice = lane.channel / W::kUnitChannels;
+    if (!pool_unit<W::kWarpsPerUnit, kSlicesInTurn>(kv, z, lane.warp_in_unit, slice, total)) return false;
 #pragma unroll
     for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);
     return true;
@@ -214,7 +213,7 @@ struct Kernels {
     if (lane.row >= p.num_rows) return;
     Bias bias;
     load_bias(p, lane, bias);
-    const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
+    const CompressPlan plan = load_row(static_cast<const CompressPlan*>(p.plan), lane.row);
     if (plan.is_invalid()) return;
     const WindowSource src{int64_t{plan.ragged_id} - (W::kSlots - 1), plan.read_page_0, plan.read_page_1,
                            plan.buffer_len, plan.seq_len};
@@ -229,7 +228,7 @@ struct Kernels {
     load_window<kSlots>(p, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
     float v[C];
-    const bool holds = reduce_unit<Sink::kSlicesInTurn>(lane, pool_slots(kv, z), v);
+    const bool holds = reduce_unit<Sink::kSlicesInTurn>(lane, kv, z, v);
     sink.emit(lane, holds, v);
   }
 
@@ -293,7 +292,7 @@ struct Kernels {
     if (last_warp) load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
     Bias bias;
     load_bias(p, lane, bias);
-    const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
+    const DecodePlan plan = load_row(static_cast<const DecodePlan*>(p.plan), lane.row);
     // Every field is needed before the first branch, so the row arrives in one round trip.
     const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : plan.write_loc % kRatio == kRatio - 1;
     const bool pooled = boundary && pages_in_range(p, plan.read_page_0, plan.read_page_1);
@@ -323,7 +322,7 @@ struct Kernels {
     float v[C];
     bool holds;
     if (pooled) {
-      holds = reduce_unit<Sink::kSlicesInTurn>(lane, pool_slots(kv, z), v);
+      holds = reduce_unit<Sink::kSlicesInTurn>(lane, kv, z, v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
 #pragma unroll

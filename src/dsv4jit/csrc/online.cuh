@@ -149,7 +149,7 @@ struct Kernels {
     const DecodeLane lane = DecodeLane::of(kDecodeUnitsPerBlock, 1);
     pdl_wait_upstream<kPDL>();  // plans and inputs may come from the kernels just before
     if (lane.row >= p.num_rows) return;
-    const DecodePlan plan = static_cast<const DecodePlan*>(p.plan)[lane.row];
+    const DecodePlan plan = load_row(static_cast<const DecodePlan*>(p.plan), lane.row);
     const int offset = static_cast<int>((plan.seq_len - 1) % kChunk);
     const bool load = offset != 0, emit = offset == kChunk - 1;
     const bool ok = (!load || state_row_ok(p, plan.read_page_0)) && (emit || state_row_ok(p, plan.write_loc));
@@ -195,7 +195,7 @@ struct Kernels {
   /// input of the step, complete before the pool pass began and written by no kernel running now:
   /// after a pool pass it loads and pools before waiting for it, and only the state store (a row the
   /// pool pass may read) follows it. kSlicesInTurn: the block pools the row's slices one after
-  /// another (merge_warps), calling this once per slice.
+  /// another (pool_unit), calling this once per slice.
   template <bool kStore, bool kSlicesInTurn = false, typename Sink>
   static DSV4_DEV void prefill(const Params& p, const PrefillLane& lane, Sink& sink) {
     constexpr int C = kPrefillC;
@@ -204,17 +204,17 @@ struct Kernels {
     WaitUpstreamOnExit<kPDL> wait_on_exit{early};
     if (!early) pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
-    const CompressPlan plan = static_cast<const CompressPlan*>(p.plan)[lane.row];
+    const CompressPlan plan = load_row(static_cast<const CompressPlan*>(p.plan), lane.row);
     if (plan.is_invalid()) return;
     const int end = static_cast<int>((plan.seq_len - 1) % kChunk) + 1;  // chunk offsets [end - n, end)
     const int n = plan.buffer_len;
     const int64_t first_ragged = int64_t{plan.ragged_id} - n + 1;
     const bool merge = end - n > 0;
-    const int32_t load_row = plan.read_page_1 >= 0 ? plan.read_page_1 : plan.read_page_0;
+    const int32_t stored_row = plan.read_page_1 >= 0 ? plan.read_page_1 : plan.read_page_0;
     int32_t bad = 0;
     if (n == 0 || n > end) bad |= kBadSegment;
     if (first_ragged < 0 || plan.ragged_id >= p.num_input_rows) bad |= kRaggedRowOutOfRange;
-    if ((merge && !state_row_ok(p, load_row)) || (kStore && !state_row_ok(p, plan.read_page_0))) {
+    if ((merge && !state_row_ok(p, stored_row)) || (kStore && !state_row_ok(p, plan.read_page_0))) {
       bad |= kStateRowOutOfRange;
     }
     if (bad) {
@@ -224,7 +224,7 @@ struct Kernels {
     if constexpr (!kStore) sink.prepare(lane);
     const bool lead = lane.warp_in_unit == merging_warp<kPrefillWarps, kSlicesInTurn>(slice);
     SoftmaxPartial<C> stored;
-    if (lead && merge) stored = load_state<C>(p, load_row, lane.channel);  // in flight with the tokens
+    if (lead && merge) stored = load_state<C>(p, stored_row, lane.channel);  // in flight with the tokens
     float kv[kTokensPerWarp][C], z[kTokensPerWarp][C];
 #pragma unroll
     for (int i = 0; i < kTokensPerWarp; ++i) {
@@ -237,8 +237,8 @@ struct Kernels {
       }
     }
     pdl_launch_dependents<kPDL>();
-    SoftmaxPartial<C> part = pool_slots(kv, z);
-    if (merge_warps<kPrefillWarps, kSlicesInTurn>(part, lane.warp_in_unit, slice) && merge) {
+    SoftmaxPartial<C> part;
+    if (pool_unit<kPrefillWarps, kSlicesInTurn>(kv, z, lane.warp_in_unit, slice, part) && merge) {
       merge_into(stored, part);  // the stored partial covers the chunk's earlier tokens
       part = stored;
     }

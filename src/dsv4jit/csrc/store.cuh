@@ -170,7 +170,7 @@ struct Kernel {
       loc = load_loc(p, row);  // decode locations do not depend on the plan: load in parallel
       if ((seq_len & (p.ratio - 1)) != 0) return false;  // no compress event this step (R: 4 or 128)
     } else {
-      const CompressPlan c = static_cast<const CompressPlan*>(p.plan)[row];
+      const CompressPlan c = load_row(static_cast<const CompressPlan*>(p.plan), row);
       if (c.is_invalid()) return false;
       if (c.ragged_id >= p.out_loc_len) {
         report(p, kRaggedOutOfRange);

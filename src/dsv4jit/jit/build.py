@@ -161,7 +161,7 @@ def _remove_dead_stages(folder: Path, slug_key: str) -> None:
     """Stages of this key left by builders that died. We hold the key's lock, so a stage of this
     key is live only if its builder runs on another host (flock can be node-local on NFS)."""
     host = socket.gethostname()
-    for stage in folder.glob(f".stage-{slug_key}-*"):
+    for stage in folder.glob(f"{cache.STAGE}{slug_key}-*"):
         try:
             owner = json.loads((stage / "owner.json").read_text())
         except (OSError, ValueError):
@@ -213,18 +213,18 @@ def fix_command(variant: Variant, arch: Arch) -> str:
     return f"python -m dsv4jit precompile{target} --set '{variant.id}'"
 
 
-def not_cached(variant: Variant, arch: Arch, key: str | None, why: str, fix: str,
+def not_cached(variant: Variant, arch: Arch, key: str | None, why: str, fix: str, root: Path,
                damaged: Iterable[cache.Damaged] = ()) -> str:
-    """Why a variant cannot be had here: what was searched, what was found damaged, and the fix."""
+    """Why a variant cannot be had here: what was searched (write root `root`, then the search
+    roots), what was found damaged, and the fix."""
     found = "".join(f" (the entry at {d.entry} is damaged: {d.problem})" for d in damaged)
-    searched = ", ".join(str(r) for r in cache.roots())
+    searched = ", ".join(str(r) for r in cache.roots(root))
     return (f"dsv4jit: {variant.id} for {arch} is not in the kernel cache{found} and {why} "
             f"(key {key or '(unknown: no toolchain)'}; searched {searched}). Fix: {fix}")
 
 
-def write_root(variant: Variant, arch: Arch, key: str) -> Path:
-    """The write root, or a per-process temp root when it is not writable and the fallback allows."""
-    root = env.cache_dir()
+def build_root(variant: Variant, arch: Arch, key: str, root: Path) -> Path:
+    """The write root `root`, or a per-process temp root when it is not writable and the fallback allows."""
     if cache.is_writable_root(root):
         return root
     if env.cache_fallback() == "tmp":
@@ -235,7 +235,8 @@ def write_root(variant: Variant, arch: Arch, key: str) -> Path:
     raise DSV4JITCacheError(not_cached(
         variant, arch, key, f"the kernel cache dir {root} is not writable",
         "set DSV4JIT_CACHE_DIR to a writable folder, or DSV4JIT_CACHE_FALLBACK=tmp to build into a temporary "
-        f"folder, or precompile it into a cache this process searches (DSV4JIT_CACHE_PATH): {fix_command(variant, arch)}"))
+        f"folder, or precompile it into a cache this process searches (DSV4JIT_CACHE_PATH): {fix_command(variant, arch)}",
+        root))
 
 
 _TMP_ROOT: list[Path] = []
@@ -259,10 +260,10 @@ class Built:
 
 
 def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, command: Command, reason: str,
-          load_module, distrust: cache.Damaged | None = None) -> Built:
-    """Build and publish under the per-key lock. `distrust`: the entry of this key, which verified but
-    did not load here; it is moved aside and rebuilt like a damaged one."""
-    root = write_root(variant, arch, info.key)
+          load_module, root: Path, distrust: cache.Damaged | None = None) -> Built:
+    """Build and publish into the write root `root` under the per-key lock. `distrust`: the entry of
+    this key, which verified but did not load here; it is moved aside and rebuilt like a damaged one."""
+    root = build_root(variant, arch, info.key, root)
     folder = cache.kernel_dir(root, arch, variant)
     entry = cache.entry_dir(root, arch, variant, info.key)
     try:
@@ -285,7 +286,7 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
                     return Built(module, entry, False, lock.waited)
             _set_aside(entry, variant, problem)
         _remove_dead_stages(folder, f"{variant.slug}-{info.key}")
-        stage = folder / f".stage-{variant.slug}-{info.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        stage = folder / f"{cache.STAGE}{variant.slug}-{info.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             stage.mkdir()
             (stage / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -306,7 +307,7 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
 
 def _set_aside(entry: Path, variant: Variant, problem: str) -> None:
     """Move a damaged entry out of the way (kept for inspection; `clean --stale` removes it)."""
-    aside = entry.with_name(f".bad-{entry.name}-{uuid.uuid4().hex[:8]}")
+    aside = entry.with_name(f"{cache.BAD}{entry.name}-{uuid.uuid4().hex[:8]}")
     try:
         os.rename(entry, aside)
     except OSError as e:
@@ -367,7 +368,7 @@ def _compile_and_check(variant, arch, info, command, stage, root, load_module):
 
 
 def _fail(variant, arch, info, stage, root, command, first_error) -> None:
-    failed = root / "failed" / f"{variant.slug}-{info.key}"
+    failed = cache.failed_dir(root) / f"{variant.slug}-{info.key}"
     shutil.rmtree(failed, ignore_errors=True)
     failed.mkdir(parents=True, exist_ok=True)
     for name in ("build.log", WRAPPER[variant.spec.target]):
@@ -389,7 +390,7 @@ def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, ar
     try:
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if entry.exists():  # forced rebuild: move the old entry aside, then swap
-            trash = entry.with_name(f".old-{entry.name}-{uuid.uuid4().hex[:8]}")
+            trash = entry.with_name(f"{cache.OLD}{entry.name}-{uuid.uuid4().hex[:8]}")
             os.rename(entry, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(stage, entry)
@@ -409,17 +410,3 @@ def _cache_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") ->
         return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror}; "
                                  f"set {setting} to a writable folder with free space")
     return e
-
-
-def default_jobs(n: int) -> int:
-    """Parallel compiles for `n` variants: DSV4JIT_JOBS, else bounded by CPUs and by available memory
-    (DSV4JIT_JOB_MEM_GB per nvcc)."""
-    if explicit := env.jobs():
-        return explicit
-    try:
-        with open("/proc/meminfo") as f:
-            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        by_mem = int(avail_kb / 2**20 // env.job_mem_gb())
-    except (OSError, StopIteration):
-        by_mem = os.cpu_count() or 1
-    return max(1, min(os.cpu_count() or 1, by_mem, n))

@@ -2,7 +2,9 @@
 
 An entry lives at ``<root>/v<SCHEMA>/<arch>/<kernel>/<slug>-<key>/`` and holds ``module.so``,
 ``manifest.json`` (written last: its presence marks a complete entry; it records the module's size
-and sha256, checked before every load) and ``build.log``. The key is
+and sha256, checked before every load) and ``build.log``. Beside the entries of a kernel folder,
+builds leave folders that are never entries (`STAGE`, `OLD`, `BAD`), and ``<root>/failed/`` keeps
+the logs of failed builds. The key is
 a sha256 over a canonical JSON document: schema, variant id, generated wrapper text, digests of the
 in-package header closure, the normalised compile command, the arch, the compiler identity, the
 tvm-ffi version and include digest, and the platform. Install locations are replaced by tokens, so
@@ -28,6 +30,11 @@ from .toolchain import Arch
 SCHEMA = 1
 KEY_CHARS = 20
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+# Name prefixes of the folders beside a kernel folder's entries (build.py makes them, ``clean``
+# removes them): a build in progress or abandoned, an entry swapped out by a forced rebuild, a damaged
+# entry set aside for inspection.
+STAGE, OLD, BAD = ".stage-", ".old-", ".bad-"
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*(?:"([^"]+)"|<([^>]+)>|(\S+))', re.M)
 
@@ -131,13 +138,28 @@ def _hash(document: dict) -> str:
 # Roots and entries
 
 
-def roots() -> list[Path]:
-    """Write root first, then the read-only search roots."""
-    return [env.cache_dir(), *env.cache_path()]
+def write_root(root: Path | None = None) -> Path:
+    """The write root: `root` when given (``precompile --cache-dir``), else DSV4JIT_CACHE_DIR's."""
+    return env.cache_dir() if root is None else root
+
+
+def roots(root: Path | None = None) -> list[Path]:
+    """The write root (see `write_root`) first, then the read-only search roots."""
+    return [write_root(root), *env.cache_path()]
+
+
+def schema_dir(root: Path) -> Path:
+    """The folder of this schema's entries; folders of other schemas beside it are stale."""
+    return root / f"v{SCHEMA}"
+
+
+def failed_dir(root: Path) -> Path:
+    """Where failed builds keep their log and wrapper source (``<slug>-<key>/``)."""
+    return root / "failed"
 
 
 def kernel_dir(root: Path, arch: Arch, variant: Variant) -> Path:
-    return root / f"v{SCHEMA}" / arch.name / variant.spec.name
+    return schema_dir(root) / arch.name / variant.spec.name
 
 
 def entry_dir(root: Path, arch: Arch, variant: Variant, key: str) -> Path:
@@ -183,16 +205,16 @@ def entry_problem(entry: Path, key: str | None = None) -> str | None:
     return None
 
 
-def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None,
-               source_key: str | None = None) -> tuple[Path | None, list[Damaged]]:
-    """First verified entry in the roots, and the damaged ones met on the way. With no toolchain
-    (``info`` None) match on the source key."""
+def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: str | None = None,
+               root: Path | None = None) -> tuple[Path | None, list[Damaged]]:
+    """First verified entry in the roots (`roots`), and the damaged ones met on the way. With no
+    toolchain (``info`` None) match on the source key."""
     damaged: list[Damaged] = []
-    for root in roots():
+    for searched in roots(root):
         if info is not None:
-            candidates = [entry_dir(root, arch, variant, info.key)]
+            candidates = [entry_dir(searched, arch, variant, info.key)]
         else:
-            folder = kernel_dir(root, arch, variant)
+            folder = kernel_dir(searched, arch, variant)
             matches = []
             for entry in folder.glob(f"{variant.slug}-*") if folder.is_dir() else ():
                 manifest = read_manifest(entry)
@@ -218,7 +240,7 @@ def read_manifest(entry: Path) -> dict | None:
 
 def iter_entries(root: Path):
     """Every complete entry under a root, with its manifest (for list/clean)."""
-    base = root / f"v{SCHEMA}"
+    base = schema_dir(root)
     if not base.is_dir():
         return
     for manifest_file in sorted(base.glob("*/*/*/manifest.json")):

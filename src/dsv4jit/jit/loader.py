@@ -34,10 +34,12 @@ def _load_module(path: Path):
 
 @dataclass(frozen=True)
 class Resolution:
-    """Where a variant stands for an arch: its key info (None without a toolchain) and cached entry."""
+    """Where a variant stands for an arch: its key info (None without a toolchain) and cached entry,
+    looked up in the write root `root` and then the search roots."""
 
     variant: Variant
     arch: Arch
+    root: Path  # the write root, where a build of it goes
     info: cache.KeyInfo | None
     entry: Path | None  # verified against its manifest
     command: build.Command | None
@@ -45,10 +47,12 @@ class Resolution:
     damaged: tuple[cache.Damaged, ...] = ()  # entries of this variant found on the way that failed the check
 
 
-def resolve(variant: Variant, arch: Arch) -> Resolution:
-    """Key and cache lookup, without building. Works without a compiler via the source key."""
+def resolve(variant: Variant, arch: Arch, root: Path | None = None) -> Resolution:
+    """Key and cache lookup, without building. Works without a compiler via the source key.
+    `root`: the write root (default: DSV4JIT_CACHE_DIR's)."""
+    root = cache.write_root(root)
     try:
-        tc = toolchain(need_cuda=not arch.is_host)
+        tc = toolchain(need_cuda=not arch.is_host, root=root)
     except DSV4JITToolchainError as e:
         tc, error = None, e
     if tc is None:
@@ -56,12 +60,12 @@ def resolve(variant: Variant, arch: Arch) -> Resolution:
         # Normalised commands name compilers by token, so a placeholder toolchain gives the same one.
         command = build.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
         info = cache.make_key(variant, arch, command.normalized, None)
-        entry, damaged = cache.find_entry(variant, arch, None, info.source_key)
-        return Resolution(variant, arch, None, entry, None, error, tuple(damaged))
+        entry, damaged = cache.find_entry(variant, arch, None, info.source_key, root)
+        return Resolution(variant, arch, root, None, entry, None, error, tuple(damaged))
     command = build.compile_command(variant, arch, tc)
     info = cache.make_key(variant, arch, command.normalized, tc.identity(host_only=arch.is_host))
-    entry, damaged = cache.find_entry(variant, arch, info)
-    return Resolution(variant, arch, info, entry, command, None, tuple(damaged))
+    entry, damaged = cache.find_entry(variant, arch, info, root=root)
+    return Resolution(variant, arch, root, info, entry, command, None, tuple(damaged))
 
 
 def load(variant: Variant, arch: Arch):
@@ -91,7 +95,7 @@ def _load_uncached(variant: Variant, arch: Arch):
             distrust = cache.Damaged(res.entry, f"it does not load: {e}")
     if env.no_compile():
         raise DSV4JITCacheMiss(build.not_cached(variant, arch, res.info.key if res.info else None,
-                                                "DSV4JIT_NO_COMPILE=1", build.fix_command(variant, arch),
+                                                "DSV4JIT_NO_COMPILE=1", build.fix_command(variant, arch), res.root,
                                                 res.damaged + ((distrust,) if distrust else ())))
     if res.toolchain_error is not None:
         # Precompiling here would fail the same way: the fix is a compiler, or a cache built elsewhere.
@@ -112,16 +116,16 @@ def _reason(res: Resolution, distrust: cache.Damaged | None) -> str:
 
 
 def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None = None) -> build.Built:
-    """Build a resolved variant (`res.info` set: a toolchain was found). Damaged entries outside the
-    write root, which dsv4jit never modifies, are reported and left; the builder moves the write
-    root's aside."""
-    own = cache.entry_dir(env.cache_dir(), res.arch, res.variant, res.info.key)
+    """Build a resolved variant (`res.info` set: a toolchain was found) into its write root. Damaged
+    entries outside the write root, which dsv4jit never modifies, are reported and left; the builder
+    moves the write root's aside."""
+    own = cache.entry_dir(res.root, res.arch, res.variant, res.info.key)
     for d in res.damaged:
         if d.entry != own:
             log.warning("dsv4jit: cached %s at %s is damaged (%s); building into the write root", res.variant.id,
                         d.entry, d.problem)
-    tc = toolchain(need_cuda=not res.arch.is_host)
-    return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, distrust)
+    tc = toolchain(need_cuda=not res.arch.is_host, root=res.root)
+    return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, res.root, distrust)
 
 
 def variant(kernel: str, **params) -> Variant:

@@ -106,12 +106,7 @@ def _stat_key(path: Path) -> list:
     return [str(path), st.st_size, st.st_mtime_ns]
 
 
-def _identity_cache_file() -> Path:
-    return env.cache_dir() / "toolchain.json"
-
-
-def _cached(kind: str, path: Path, compute) -> dict:
-    cache_file = _identity_cache_file()
+def _cached(kind: str, path: Path, compute, cache_file: Path) -> dict:
     stamp = _stat_key(path)
     try:
         table = json.loads(cache_file.read_text())
@@ -184,7 +179,7 @@ class Toolchain:
         return ident
 
 
-def _nvcc_identity(nvcc: Path):
+def _nvcc_identity(nvcc: Path, cache_file: Path):
     def compute():
         out = _run([str(nvcc), "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"])
         m = re.search(r"^#\$ TOP=(.*)$", out, re.M)
@@ -192,7 +187,7 @@ def _nvcc_identity(nvcc: Path):
         real = root / "bin" / "nvcc"
         version = _run([str(real), "--version"]).strip()
         return {"root": str(root), "version": version}, [real]
-    return _cached("nvcc", nvcc, compute)
+    return _cached("nvcc", nvcc, compute, cache_file)
 
 
 def _find_cxx() -> Path:
@@ -205,25 +200,27 @@ def _find_cxx() -> Path:
                                 "(g++ or clang++) or set DSV4JIT_CXX or CXX to one")
 
 
-def _cxx_version(cxx: Path) -> str:
-    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []))
+def _cxx_version(cxx: Path, cache_file: Path) -> str:
+    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), cache_file)
 
 
 @functools.lru_cache(maxsize=None)
-def _toolchain_memo(need_cuda: bool, env_key: tuple) -> Toolchain:
+def _toolchain_memo(need_cuda: bool, cache_file: Path, env_key: tuple) -> Toolchain:
     cxx = _find_cxx()
     if not need_cuda:
-        return Toolchain(None, None, "", cxx, _cxx_version(cxx))
+        return Toolchain(None, None, "", cxx, _cxx_version(cxx, cache_file))
     nvcc = _find_nvcc()
-    ident = _nvcc_identity(nvcc)
+    ident = _nvcc_identity(nvcc, cache_file)
     root = Path(ident["root"])
-    return Toolchain(root / "bin" / "nvcc", root, ident["version"], cxx, _cxx_version(cxx))
+    return Toolchain(root / "bin" / "nvcc", root, ident["version"], cxx, _cxx_version(cxx, cache_file))
 
 
-def toolchain(need_cuda: bool = True) -> Toolchain:
-    """The toolchain for a build (memoised per process and per relevant env settings)."""
-    env_key = (env.nvcc(), env.cxx(), tuple(env.cuda_homes()), os.environ.get("PATH", ""), str(env.cache_dir()))
-    return _toolchain_memo(need_cuda, env_key)
+def toolchain(need_cuda: bool = True, root: Path | None = None) -> Toolchain:
+    """The toolchain for a build (memoised per process and per relevant env settings). Its identity
+    is remembered in ``toolchain.json`` of the write root (`root`, default DSV4JIT_CACHE_DIR's)."""
+    cache_file = (env.cache_dir() if root is None else root) / "toolchain.json"
+    env_key = (env.nvcc(), env.cxx(), tuple(env.cuda_homes()), os.environ.get("PATH", ""))
+    return _toolchain_memo(need_cuda, cache_file, env_key)
 
 
 def reset() -> None:

@@ -17,6 +17,17 @@ DSV4_DEV Vec<T, N> load_vec(const T* ptr) {
   return *reinterpret_cast<const Vec<T, N>*>(ptr);
 }
 
+/// A 16-byte row (a plan row) in one load: a struct copy may become several loads that the
+/// compiler places on both sides of the first branch on a field, one round trip each.
+template <typename Row>
+DSV4_DEV Row load_row(const Row* rows, uint64_t i) {
+  static_assert(sizeof(Row) == 16 && alignof(Row) == 16, "one 16-byte load");
+  const uint4 raw = reinterpret_cast<const uint4*>(rows)[i];
+  Row row;
+  memcpy(&row, &raw, sizeof(Row));
+  return row;
+}
+
 template <int N, typename T>
 DSV4_DEV void store_vec(T* ptr, const Vec<T, N>& value) {
   *reinterpret_cast<Vec<T, N>*>(ptr) = value;

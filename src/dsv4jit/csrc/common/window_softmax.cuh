@@ -18,10 +18,39 @@ struct SoftmaxPartial {
   float acc[C];
 };
 
-DSV4_DEV float exp_shifted(float z, float m) {
-  // A masked slot has z = -inf (kv = 0): its weight is exactly 0. m is finite unless every slot
-  // of this partial is masked, which only an empty partial is (then it contributes nothing).
-  return m == -INFINITY ? 0.0f : __expf(z - m);
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+/// The shift of a partial whose largest z is m: m itself, or 0 when every slot is masked (m = -inf,
+/// every z = -inf), so that each weight below is exp(-inf) = 0 instead of exp(NaN).
+DSV4_DEV float softmax_shift(float m) { return m == -INFINITY ? 0.0f : m; }
+
+/// exp(z - shift) on the SFU (ex2.approx). Results below 2^-126 flush to 0: the window's largest
+/// slot weighs 1, so a flushed weight changes no sum by more than one part in 2^126.
+DSV4_DEV float softmax_weight(float z, float shift) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((z - shift) * kLog2e));
+  return e;
+}
+
+/// Σ weight and Σ kv·weight of N slots for one channel, every weight taken against `shift`.
+template <int N, int C>
+DSV4_DEV void weigh_slots(const float (&kv)[N][C], const float (&z)[N][C], int c, float shift, float& sum,
+                          float& acc) {
+  sum = 0.0f, acc = 0.0f;
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    const float e = softmax_weight(z[s][c], shift);
+    sum += e;
+    acc += kv[s][c] * e;
+  }
+}
+
+template <int N, int C>
+DSV4_DEV float max_slot(const float (&z)[N][C], int c) {
+  float m = z[0][c];
+#pragma unroll
+  for (int s = 1; s < N; ++s) m = fmaxf(m, z[s][c]);
+  return m;
 }
 
 /// Two-pass pooling of N slots held in registers: the max first, then one exp per slot.
@@ -30,19 +59,8 @@ DSV4_DEV SoftmaxPartial<C> pool_slots(const float (&kv)[N][C], const float (&z)[
   SoftmaxPartial<C> p;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    float m = z[0][c];
-#pragma unroll
-    for (int s = 1; s < N; ++s) m = fmaxf(m, z[s][c]);
-    float sum = 0.0f, acc = 0.0f;
-#pragma unroll
-    for (int s = 0; s < N; ++s) {
-      const float e = exp_shifted(z[s][c], m);
-      sum += e;
-      acc += kv[s][c] * e;
-    }
-    p.max[c] = m;
-    p.sum[c] = sum;
-    p.acc[c] = acc;
+    p.max[c] = max_slot(z, c);
+    weigh_slots(kv, z, c, softmax_shift(p.max[c]), p.sum[c], p.acc[c]);
   }
   return p;
 }
@@ -52,42 +70,74 @@ template <int C>
 DSV4_DEV void merge_into(SoftmaxPartial<C>& a, const SoftmaxPartial<C>& b) {
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    const float m = fmaxf(a.max[c], b.max[c]);
-    const float wa = exp_shifted(a.max[c], m), wb = exp_shifted(b.max[c], m);
+    const float shift = softmax_shift(fmaxf(a.max[c], b.max[c]));
+    const float wa = softmax_weight(a.max[c], shift), wb = softmax_weight(b.max[c], shift);
     a.sum[c] = a.sum[c] * wa + b.sum[c] * wb;
     a.acc[c] = a.acc[c] * wa + b.acc[c] * wb;
-    a.max[c] = m;
+    a.max[c] = fmaxf(a.max[c], b.max[c]);
   }
 }
 
-/// The warp of a unit that merges its partials (merge_warps): warp 0, or with slices in turn (the
-/// block pools a row's slices one after another) warp s % kWarps for slice s, so no warp waits on
-/// a merge before it loads the next slice.
+/// The warp of a unit that holds its pooled partial (pool_unit): warp 0, or with slices in turn
+/// (the block pools a row's slices one after another) warp s % kWarps for slice s, so no warp
+/// waits on a sum before it loads the next slice.
 template <int kWarps, bool kSlicesInTurn>
 DSV4_DEV constexpr int merging_warp(int slice) {
   return kSlicesInTurn ? slice % kWarps : 0;
 }
 
-/// Merges the partials of a unit's kWarps warps (one block's warps, through shared memory) into
-/// `part` of the merging warp, warp 0's first and the others in warp order; true in that warp.
-/// With slices in turn, slice s uses buffer s % 2 (the previous slice's may still be read).
-template <int kWarps, bool kSlicesInTurn, int C>
-DSV4_DEV bool merge_warps(SoftmaxPartial<C>& part, int warp_in_unit, int slice) {
-  __shared__ SoftmaxPartial<C> parts[kSlicesInTurn ? 2 : 1][kWarps][kWarpSize];
-  const int buffer = kSlicesInTurn ? slice % 2 : 0;
-  const int lane_id = threadIdx.x % kWarpSize;
-  parts[buffer][warp_in_unit][lane_id] = part;
-  __syncthreads();
-  if (warp_in_unit != merging_warp<kWarps, kSlicesInTurn>(slice)) return false;
-  if constexpr (kSlicesInTurn) part = parts[buffer][0][lane_id];
+/// Pools a unit's window, N slots per warp in registers, kWarps warps of one block; true in the
+/// warp that then holds the unit's partial (merging_warp). Each warp pools its slots; after one
+/// barrier the merging warp takes the window's max over the warps' partials first, so every
+/// partial's rescaling weight is independent of the others (no chain of exps). Every thread of
+/// the block calls it (for each slice in turn, with kSlicesInTurn: slice s uses buffer s % 2, as
+/// the previous slice's may still be read).
+template <int kWarps, bool kSlicesInTurn, int N, int C>
+DSV4_DEV bool pool_unit(const float (&kv)[N][C], const float (&z)[N][C], int warp_in_unit, int slice,
+                        SoftmaxPartial<C>& part) {
+  part = pool_slots(kv, z);
+  if constexpr (kWarps > 1) {
+    struct Exchange {  // one array per field: a lane's C floats are adjacent (conflict-free)
+      float max[kWarps][kWarpSize][C];
+      float sum[kWarps][kWarpSize][C];
+      float acc[kWarps][kWarpSize][C];
+    };
+    __shared__ Exchange buffers[kSlicesInTurn ? 2 : 1];
+    Exchange& x = buffers[kSlicesInTurn ? slice % 2 : 0];
+    const int lane_id = threadIdx.x % kWarpSize;
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) merge_into(part, parts[buffer][w][lane_id]);
+    for (int c = 0; c < C; ++c) {
+      x.max[warp_in_unit][lane_id][c] = part.max[c];
+      x.sum[warp_in_unit][lane_id][c] = part.sum[c];
+      x.acc[warp_in_unit][lane_id][c] = part.acc[c];
+    }
+    __syncthreads();
+    if (warp_in_unit != merging_warp<kWarps, kSlicesInTurn>(slice)) return false;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      float m = x.max[0][lane_id][c];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) m = fmaxf(m, x.max[w][lane_id][c]);
+      const float shift = softmax_shift(m);
+      float sum = 0.0f, acc = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float e = softmax_weight(x.max[w][lane_id][c], shift);
+        sum += x.sum[w][lane_id][c] * e;
+        acc += x.acc[w][lane_id][c] * e;
+      }
+      part.max[c] = m;
+      part.sum[c] = sum;
+      part.acc[c] = acc;
+    }
+  }
   return true;
 }
 
+/// The pooled value of channel c: Σ kv·weight / Σ weight (sum >= 1: its largest weight is 1).
 template <int C>
 DSV4_DEV float pooled_value(const SoftmaxPartial<C>& p, int c) {
-  return p.acc[c] / p.sum[c];
+  return __fdividef(p.acc[c], p.sum[c]);
 }
 
 }  // namespace dsv4

@@ -1,0 +1,109 @@
+"""Removing entries and build leftovers from the write root (what ``python -m dsv4jit clean`` does).
+
+Only the write root is touched: search roots (DSV4JIT_CACHE_PATH) are never cleaned. Lock files and
+``toolchain.json`` are kept, and an entry is removed under its key lock, so a concurrent builder of
+that key is not disturbed.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+from .. import env
+from . import cache, loader
+from .build import lock_file
+from .kernels import SPECS
+from .registry import parse_variant_id
+from .toolchain import Arch
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    root: Path  # the write root cleaned
+    removed: list[Path]  # sorted; with dry_run, what would have been removed
+    bytes: int  # their size
+    dry_run: bool
+
+
+def clean(*, everything: bool = False, archs: Collection[str] = (), kernels: Collection[str] = (),
+          stale: bool = False, older_than: float | None = None, orphans: bool = False, dry_run: bool = False,
+          root: Path | None = None) -> Cleaned:
+    """Remove from the write root `root` (default: DSV4JIT_CACHE_DIR's), or with `dry_run` only list:
+
+    everything: every entry and every leftover (`_leftovers`);
+    archs, kernels: the entries built for these arches (names such as ``sm_90a``) or of these kernels;
+    stale: the leftovers, and the entries whose key is no longer their variant's current one;
+    older_than: the entries built more than this many seconds ago;
+    orphans: the entries of variants the registry no longer has.
+    """
+    root = cache.write_root(root)
+    now = time.time()
+    doomed = _leftovers(root, now) if everything or stale else []
+    if stale:
+        doomed += _superseded(root)
+    for entry, manifest in cache.iter_entries(root):
+        arch, kernel = entry.parent.parent.name, entry.parent.name
+        if (everything or arch in archs or kernel in kernels or (orphans and is_orphan(manifest))
+                or (older_than is not None and now - manifest.get("built_at", now) > older_than)):
+            doomed.append(entry)
+    doomed = sorted(set(doomed))
+    freed = sum(cache.dir_size(p) for p in doomed)
+    if not dry_run:
+        for path in doomed:
+            _remove(root, path)
+    return Cleaned(root, doomed, freed, dry_run)
+
+
+def _leftovers(root: Path, now: float) -> list[Path]:
+    """What no lookup reads: folders of other cache schemas, stages older than DSV4JIT_BUILD_TIMEOUT
+    (younger ones may be live builds), entries swapped out by a forced rebuild or set aside as
+    damaged, and the logs of failed builds."""
+    base = cache.schema_dir(root)
+    found = [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
+    found += [p for p in base.glob(f"*/*/{cache.STAGE}*") if now - p.stat().st_mtime > env.build_timeout()]
+    found += list(base.glob(f"*/*/{cache.OLD}*")) + list(base.glob(f"*/*/{cache.BAD}*"))
+    if cache.failed_dir(root).is_dir():
+        found.append(cache.failed_dir(root))
+    return found
+
+
+def _superseded(root: Path) -> list[Path]:
+    """Entries of registry variants whose key is no longer the current one (old headers, flags or
+    toolchain); computing current keys needs the toolchain. Orphans are left to `is_orphan`."""
+    old = []
+    for entry, manifest in cache.iter_entries(root):
+        try:
+            variant = parse_variant_id(manifest["variant"], SPECS)
+        except (KeyError, ValueError):
+            continue
+        res = loader.resolve(variant, Arch(manifest["arch"]), root)
+        if res.info is not None and res.info.key != manifest.get("key"):
+            old.append(entry)
+    return old
+
+
+def is_orphan(manifest: dict) -> bool:
+    """Whether an entry's variant is one the registry no longer has."""
+    return manifest.get("variant") not in _registry_ids()
+
+
+@functools.lru_cache(maxsize=None)
+def _registry_ids() -> frozenset[str]:
+    return frozenset(v.id for spec in SPECS.values() for v in spec.all_variants())
+
+
+def _remove(root: Path, path: Path) -> None:
+    """Delete under the key lock where builders take it, if that lock file exists."""
+    lock = lock_file(root, path)
+    if not lock.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with filelock.FileLock(str(lock), timeout=env.lock_timeout()):
+        shutil.rmtree(path, ignore_errors=True)
