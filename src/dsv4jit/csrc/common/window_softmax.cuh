@@ -32,35 +32,26 @@ DSV4_DEV float softmax_weight(float z, float shift) {
   return e;
 }
 
-/// Σ weight and Σ kv·weight of N slots for one channel, every weight taken against `shift`.
-template <int N, int C>
-DSV4_DEV void weigh_slots(const float (&kv)[N][C], const float (&z)[N][C], int c, float shift, float& sum,
-                          float& acc) {
-  sum = 0.0f, acc = 0.0f;
-#pragma unroll
-  for (int s = 0; s < N; ++s) {
-    const float e = softmax_weight(z[s][c], shift);
-    sum += e;
-    acc += kv[s][c] * e;
-  }
-}
-
-template <int N, int C>
-DSV4_DEV float max_slot(const float (&z)[N][C], int c) {
-  float m = z[0][c];
-#pragma unroll
-  for (int s = 1; s < N; ++s) m = fmaxf(m, z[s][c]);
-  return m;
-}
-
 /// Two-pass pooling of N slots held in registers: the max first, then one exp per slot.
 template <int N, int C>
 DSV4_DEV SoftmaxPartial<C> pool_slots(const float (&kv)[N][C], const float (&z)[N][C]) {
   SoftmaxPartial<C> p;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    p.max[c] = max_slot(z, c);
-    weigh_slots(kv, z, c, softmax_shift(p.max[c]), p.sum[c], p.acc[c]);
+    float m = z[0][c];
+#pragma unroll
+    for (int s = 1; s < N; ++s) m = fmaxf(m, z[s][c]);
+    const float shift = softmax_shift(m);
+    float sum = 0.0f, acc = 0.0f;
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+      const float e = softmax_weight(z[s][c], shift);
+      sum += e;
+      acc += kv[s][c] * e;
+    }
+    p.max[c] = m;
+    p.sum[c] = sum;
+    p.acc[c] = acc;
   }
   return p;
 }
