@@ -765,6 +765,15 @@ def test_cpu_tensor_among_cuda_tensors_is_a_type_error(arg, device):
         call(case, device, **{arg: cpu})
 
 
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_fp16_rows_on_the_gpu_are_a_type_error_naming_kv(device):
+    """contract §8.4: the kernels take kv in fp32 or bf16; fp16 rows are a bad dtype, a TypeError naming
+    `kv` (call() also checks that the rejected call left the cache untouched)."""
+    case = make_case(V4_C4, torch.float32, False, torch.int64, seed=4550)
+    with pytest.raises(TypeError, match=r"'kv'.*float16"):
+        call(case, device, kv=case.kv.to(device, torch.float16))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kvcache_row_stride_must_equal_page_bytes(device):
     """contract §8.4: a [pages, page_bytes] view of a wider buffer (row stride != page_bytes). The kernel

@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 
 from .. import arguments, library, runtime
+from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from ..reference import store as ref_store
@@ -76,7 +77,7 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
                                            page_size=page_size, use_fp4=store_format == "indexer_fp4",
                                            bf16_store=store_format == "v4_bf16", num_q_tokens=num_q_tokens)
         return
-    name, params = kernel(common.dtype_name(kv, "kv", _OP), store_format)
+    name, params = kernel(common.dtype_name(kv, "kv", _OP, STATE_DTYPES), store_format)  # contract §8.4
     fn = runtime.function(name, "run", device, **params)
     status = runtime.status_word(device)
     fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
