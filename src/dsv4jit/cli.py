@@ -196,28 +196,14 @@ def _outcome_row(outcome) -> dict:
 
 
 def cmd_list(args) -> int:
-    from .jit import cache, loader
-    from .jit.clean import is_orphan
+    from .jit import inventory
 
     if args.entries:
-        rows = [{"root": str(root), "entry": str(entry), "variant": m.get("variant"), "arch": m.get("arch"),
-                 "key": m.get("key"), "size": m.get("size"), "build_seconds": m.get("build_seconds"),
-                 "orphan": is_orphan(m)}
-                for root in cache.roots() for entry, m in cache.iter_entries(root)]
+        rows = inventory.entries()
         _emit(args, {"entries": rows}, [f"{r['variant']}  {r['arch']}  {r['key']}  {r['size']} B"
                                         f"{'  (orphan)' if r['orphan'] else ''}  {r['entry']}" for r in rows])
         return EXIT_OK
-    rows = []
-    for v, a in _targets(args):
-        res = loader.resolve(v, a)
-        m = cache.read_manifest(res.entry) if res.entry else None
-        status = "cached" if res.entry else "missing"
-        if args.status != "all" and status != args.status:
-            continue
-        rows.append({"variant": v.id, "arch": a.name, "status": status,
-                     "key": res.info.key if res.info else None, "entry": str(res.entry) if res.entry else None,
-                     "size": m.get("size") if m else None, "build_seconds": m.get("build_seconds") if m else None,
-                     "damaged": [{"entry": str(d.entry), "problem": d.problem} for d in res.damaged]})
+    rows = [r for r in inventory.variant_status(_targets(args)) if args.status in ("all", r["status"])]
     _emit(args, {"variants": rows}, [f"{r['status']:>7}  {r['variant']}  {r['arch']}" +
                                      (f"  {r['size']} B  {r['build_seconds']}s" if r["size"] else "") +
                                      "".join(f"  (damaged: {d['entry']}: {d['problem']})" for d in r["damaged"])
@@ -250,43 +236,16 @@ def cmd_clean(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import torch
-
     from . import runtime
-    from .jit import cache, loader
-    from .jit.toolchain import device_arch, toolchain
+    from .jit import inventory
 
-    info: dict = {"dsv4jit": __version__, "python": sys.version.split()[0]}
-    try:
-        tc = toolchain(need_cuda=True)
-        info["nvcc"] = {"path": str(tc.nvcc), "cuda_root": str(tc.cuda_root),
-                        "version": tc.nvcc_version.splitlines()[-1] if tc.nvcc_version else ""}
-        info["cxx"] = {"path": str(tc.cxx), "version": tc.cxx_version.splitlines()[0]}
-    except DSV4JITToolchainError as e:
-        info["nvcc"] = {"error": str(e)}
-    tvm = cache.tvm_ffi_info()
-    info["tvm_ffi"] = {"version": tvm["version"], "include": str(tvm["include"])}
-    info["torch"] = {"version": torch.__version__,
-                     "dlpack_c_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__")}
-    gpus = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "arch": device_arch(i).name})
-    info["gpus"] = gpus
-    info["cache_roots"] = [{"path": str(r), "writable": i == 0 and cache.is_writable_root(r),
-                            "read_only_search_root": i > 0, "bytes": cache.dir_size(r) if r.exists() else 0}
-                           for i, r in enumerate(cache.roots())]
-    info["env"] = env.all_settings()
+    info = inventory.installation()
+    gpus = info["gpus"]
     status = EXIT_OK
     v = _variant_id(args.variant) if args.variant else None
     archs = _archs(args.arch) if args.check or (v is not None and v.spec.target != "host") else []
     if v is not None:
-        info["variant"] = []
-        for a in [loader.Arch.host()] if v.spec.target == "host" else archs:
-            res = loader.resolve(v, a)
-            info["variant"].append({"arch": a.name, "key": res.info.key if res.info else None,
-                                    "entry": str(res.entry) if res.entry else None,
-                                    "document": res.info.document if res.info else None})
+        info["variant"] = inventory.variant_keys(v, archs)
     if args.check:
         check = runtime.self_check(archs[0])
         info["check"] = {"ok": check.ok, "detail": check.detail}
