@@ -61,11 +61,11 @@ template <int C>
 DSV4_DEV void merge_into(SoftmaxPartial<C>& a, const SoftmaxPartial<C>& b) {
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    const float shift = softmax_shift(fmaxf(a.max[c], b.max[c]));
+    const float m = fmaxf(a.max[c], b.max[c]), shift = softmax_shift(m);
     const float wa = softmax_weight(a.max[c], shift), wb = softmax_weight(b.max[c], shift);
     a.sum[c] = a.sum[c] * wa + b.sum[c] * wb;
     a.acc[c] = a.acc[c] * wa + b.acc[c] * wb;
-    a.max[c] = fmaxf(a.max[c], b.max[c]);
+    a.max[c] = m;
   }
 }
 
