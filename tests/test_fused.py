@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dsv4jit import compress_and_store, compress_forward, compress_norm_rope_store
+from dsv4jit.ops import fused as fused_ops
 from dsv4jit.reference import store as ref_store
 from test_compress import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, DEVICES, HAS_CUDA, Scenario
 
@@ -176,10 +177,43 @@ def test_fused_long_random_scenario(device, config_format):
     assert tw.stored_steps >= 10
 
 
+def fused_entries(monkeypatch) -> list[tuple[str, str]]:
+    """The (kernel, entry point) of every fused-module call from now on (runs_fused's choice)."""
+    calls, function = [], fused_ops.runtime.function
+
+    def spy(name, entry, *args, **params):
+        if name.startswith("fused"):
+            calls.append((name, entry))
+        return function(name, entry, *args, **params)
+
+    monkeypatch.setattr(fused_ops.runtime, "function", spy)
+    return calls
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_or_two_step_by_batch(device, monkeypatch):
+    """Ring c128 decode batches up to RING_C128_FUSED_DECODE_MAX_BATCH requests run the fused
+    kernel, larger ones and every prefill the two-step entries; c4 always the fused kernel. Either
+    way the states and caches equal the public two-step ops' bit for bit."""
+    calls = fused_entries(monkeypatch)
+    n = fused_ops.RING_C128_FUSED_DECODE_MAX_BATCH
+    tw = Twin(device, C128_128, "v4_fp8", num_reqs=n + 1, seed=5, num_locs=8 * 1024)
+    tw.prefill(list(range(n + 1)), [127] * (n + 1))  # every request one token before its boundary
+    tw.decode(list(range(n)))  # n boundary rows
+    tw.prefill([n], [128])  # request n closes a window and stops one token before the next
+    tw.decode(list(range(n + 1)))  # one boundary row among n + 1
+    c4 = Twin(device, C4_PAGED_8, "v4_fp8", num_reqs=n + 1, seed=6)
+    c4.prefill(list(range(n + 1)), [9 + r % 4 for r in range(n + 1)])
+    c4.decode(list(range(n + 1)))
+    assert calls == [("fused", "prefill_two_step"), ("fused", "decode"), ("fused", "prefill_two_step"),
+                     ("fused", "decode_two_step"), ("fused", "prefill"), ("fused", "decode")]
+    assert tw.stored_steps == 3 and c4.stored_steps == 2
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
 def test_fused_c128_calls_of_many_rows(device):
-    """Ring c128 prefills of 128 rows or more take a block per row (slices in turn) instead of a
-    cluster: prefills of 160 and 128+ compress events around decode batches of 64 requests."""
+    """Ring c128 steps of many rows (the two-step entries): prefills of 160 and 128+ compress
+    events around decode batches of 64 requests."""
     n = 64
     tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=11, num_locs=32 * 1024)
     rids = list(range(n))

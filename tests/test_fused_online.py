@@ -27,7 +27,8 @@ from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_s
                      compress_norm_rope_store)
 from dsv4jit.reference import store as ref_store
 from test_compress import C128_128, DEVICES
-from test_fused import CUDA_MARKS, MAX_CTX, Twin
+from dsv4jit.ops import fused as fused_ops
+from test_fused import CUDA_MARKS, MAX_CTX, Twin, fused_entries
 
 HD, R = 512, 128
 FORMATS = ["v4_fp8", "v4_bf16"]
@@ -150,16 +151,20 @@ def test_fused_online_equals_two_step(device, state, fmt, offset):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
-def test_fused_online_prefills_of_many_rows(device):
-    """Prefills of 128 emitting segment rows or more take a block per row (slices in turn) instead
-    of a cluster: 48 requests closing 3 chunks each, twice (the second merging mid-chunk states),
-    then a decode step."""
+def test_fused_online_prefills_of_many_rows(device, monkeypatch):
+    """Prefills of ONLINE_FUSED_PREFILL_MIN_ROWS plan rows or more run the fused kernel (a block
+    per row), fewer the two-step entry: 48 requests closing 3 chunks each, twice (the second merging
+    mid-chunk states), a decode step, then a prefill of a few rows."""
+    calls = fused_entries(monkeypatch)
     n = 48
     tw = OnlineTwin(device, num_reqs=n, seed=13, num_locs=32 * 1024)
     tw.prefill([400] * n)  # chunks closed at 128, 256, 384; a state left at 400
     tw.prefill([380 + 37 * b % 60 for b in range(n)], gpu_lengths=True)  # closed at 512, 640, 768
     tw.decode()
-    assert tw.stored_steps >= 2
+    tw.prefill([300] * 4 + [0] * (n - 4))
+    assert 3 * n >= fused_ops.ONLINE_FUSED_PREFILL_MIN_ROWS > 4 * 4
+    assert [entry for _, entry in calls] == ["prefill", "prefill", "decode", "prefill_two_step"]
+    assert tw.stored_steps >= 3
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

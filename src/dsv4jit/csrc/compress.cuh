@@ -178,12 +178,11 @@ struct Kernels {
 
   /// Pools the unit's window (pool_unit: this warp holds kSlots of it) into the pooled values of
   /// this lane's channels; true in the warp that holds them.
-  template <bool kSlicesInTurn>
   static DSV4_DEV bool reduce_unit(const Lane& lane, const float (&kv)[kSlots][C], const float (&z)[kSlots][C],
                                    float (&v)[C]) {
     SoftmaxPartial<C> total;
     const int slice = lane.channel / W::kUnitChannels;
-    if (!pool_unit<W::kWarpsPerUnit, kSlicesInTurn>(kv, z, lane.warp_in_unit, slice, total)) return false;
+    if (!pool_unit<W::kWarpsPerUnit, false>(kv, z, lane.warp_in_unit, slice, total)) return false;
 #pragma unroll
     for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);
     return true;
@@ -191,10 +190,8 @@ struct Kernels {
 
   /// Where pooled rows go in compress_forward: row `row` of `out`, in OutT. The pool passes hand
   /// every unit's result to a sink (prepare() once the row is known valid, emit() by every thread
-  /// of the unit, `holds` in the warp with the values; kSlicesInTurn: the sink's block takes a
-  /// row's slices one after another), so the fused kernel can store them instead.
+  /// of the unit, `holds` in the warp with the values), so the fused kernel can store them instead.
   struct OutputRows {
-    static constexpr bool kSlicesInTurn = false;
     const Params& p;
     DSV4_DEV void prepare(const Lane&) {}
     DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
@@ -228,7 +225,7 @@ struct Kernels {
     load_window<kSlots>(p, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
     float v[C];
-    const bool holds = reduce_unit<Sink::kSlicesInTurn>(lane, kv, z, v);
+    const bool holds = reduce_unit(lane, kv, z, v);
     sink.emit(lane, holds, v);
   }
 
@@ -322,7 +319,7 @@ struct Kernels {
     float v[C];
     bool holds;
     if (pooled) {
-      holds = reduce_unit<Sink::kSlicesInTurn>(lane, kv, z, v);
+      holds = reduce_unit(lane, kv, z, v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
 #pragma unroll
@@ -400,8 +397,17 @@ struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kP
     Params p = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out,
                                         nullptr, rows_c, rows_w);
     p.status = status_words(kOp, dev, status);
-    launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
-    launch_write(kOp, dev, p, rows_w.value);
+    launch_prefill(kOp, dev, p, rows_w.value);
+  }
+
+  /// The pool pass, then the write pass over `rows_w` plan_w rows, of checked parameters.
+  static void launch_prefill(const char* op, const Device& dev, const Params& p, int64_t rows_w) {
+    launch(op, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
+    launch_write(op, dev, p, rows_w);
+  }
+
+  static void launch_decode(const char* op, const Device& dev, const Params& p) {
+    launch(op, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
   }
 
   static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
@@ -410,7 +416,7 @@ struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kP
     Size batch{"batch_size"};
     Params p = Compress::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
     p.status = status_words(kOp, dev, status);
-    launch(kOp, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
+    launch_decode(kOp, dev, p);
   }
 };
 

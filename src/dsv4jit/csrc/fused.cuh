@@ -9,15 +9,19 @@
 //   one-warp units (c4, online decode): a warp holds one 128-channel chunk of the store layout
 //             (lane l: channels 128k + 4l..); the row's warps (4 for hd512, 1 for hd128) share
 //             partials through shared memory
-//   block units (c128, online prefill): a block holds one 64-dim tile (lane l: 2 channels); the
+//   block units (ring c128 decode): a block holds one 64-dim tile (lane l: 2 channels); the
 //             row's 8 blocks form a thread-block cluster and share partials through distributed
-//             shared memory; or, for prefills of many rows (ring or online), one block pools the
-//             8 slices in turn, gathers the row in shared memory and stores it as one-warp chunks
+//             shared memory
+//   slices in turn (online prefill): one block pools a row's 8 slices one after another, gathers
+//             the row in shared memory and stores it as one-warp chunks
 // The norm weight and rope values are prefetched with cp.async as soon as the plan row is read,
 // overlapping the window loads.
 //
 // Prefill is this kernel followed by the compressor's write pass in stream order: this step's
 // state writes may alias rows that the pooling still reads (a request ring, an online state row).
+// Where one kernel measured slower than the two steps (ring c128 prefill and large decode batches,
+// online prefills of few rows), the op calls the *_two_step entries instead: the same checks,
+// then the compressor's kernels and the store kernel.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -67,7 +71,6 @@ struct StoreStep {
 
   /// The sink the pool passes hand pooled rows to: every unit stores its own slice of the row.
   struct Sink {
-    static constexpr bool kSlicesInTurn = false;
     const store::Params& p;
     Shared& sh;
     int64_t loc = 0, position = 0;
@@ -163,7 +166,6 @@ __global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void pool_and_sto
 /// its first warps hand the row to the store step as one-warp 128-channel chunks.
 template <typename Lane, typename StoreSink, int kHeadDim, int kSliceChannels, int C>
 struct SliceGather {
-  static constexpr bool kSlicesInTurn = true;
   static constexpr int kChunks = kHeadDim / 128;
   StoreSink& sink;
   float (&row)[kHeadDim];
@@ -203,18 +205,15 @@ DSV4_DEV void pool_slices_in_turn(Sink& sink, PoolSlice pool_slice) {
 }
 
 /// The ring compressor's passes (compress.cuh): c4 and c128, prefill pool or decode. A c128 row
-/// spans 8 slice units: a cluster of 8 blocks, or (kSlicesInTurn) one block taking them in turn.
-template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode,
-          bool kSlicesInTurn = false>
+/// spans 8 slice units: a cluster of 8 blocks.
+template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode>
 struct RingPass {
   static constexpr int kHeadDim = store::Layout<F>::kHeadDim;
   using Compressor = compress::Compress<kRatio, kHeadDim, BufferT, InT, InT, kPDL>;
   using K = typename Compressor::K;
   using W = typename K::W;
   using Params = compress::Params;
-  using Step = std::conditional_t<kSlicesInTurn, StoreStep<InT, F, kPDL, 4, 1, kHeadDim / 128>,
-                                  StoreStep<InT, F, kPDL, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>>;
-  static_assert(!kSlicesInTurn || K::kUnitsPerBlock == 1, "slices in turn take a block per unit");
+  using Step = StoreStep<InT, F, kPDL, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>;
   static constexpr int kThreads = K::kThreads;
   // A c4 prefill warp's store tail holds its registers with no load in flight. For V4 rows (4
   // warps that exchange partials) 6 blocks per SM (80 registers, 48 bytes of spills) keep more
@@ -223,20 +222,11 @@ struct RingPass {
   static constexpr int kMinBlocks = kRatio == 4 && !kDecode && kHeadDim == 512 ? 6 : K::kMinBlocks;
 
   static LaunchShape shape(uint32_t rows) {
-    if constexpr (kSlicesInTurn) return {rows, kThreads};
     return {Compressor::blocks(rows, K::kUnitsPerBlock), kThreads, 0, Step::kClusterDim};
   }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
-    if constexpr (kSlicesInTurn) {
-      pool_slices_in_turn<typename K::Lane, kHeadDim, K::C>(
-          sink, [&](const typename K::Lane& lane, auto& gather) { pool_unit(c, lane, gather); });
-    } else {
-      pool_unit(c, K::Lane::of(K::kUnitsPerBlock, W::kWarpsPerUnit), sink);
-    }
-  }
-  template <typename Sink>
-  static DSV4_DEV void pool_unit(const Params& c, const typename K::Lane& lane, Sink& sink) {
+    const auto lane = K::Lane::of(K::kUnitsPerBlock, W::kWarpsPerUnit);
     if constexpr (kDecode) {
       K::decode(c, lane, sink);
     } else {
@@ -256,76 +246,37 @@ struct PoolLaunch {
   }
 };
 
-/// c128 prefill (ring or online): a cluster of slice blocks per row for a few rows (more SMs per
-/// row); from kManyRows rows, a block per row taking its slices in turn: no cluster scheduling and one store
-/// tail per row, not per slice (measured, ring: 8192 tokens 16.3 vs 22.1 us, 32768 tokens 57.2 vs 42.9).
-/// Decode keeps the cluster. Measured with a block per request from 128 requests, an off-boundary
-/// request written by the whole block in one round trip: B=256 all off a boundary 1.4 vs 12.2 us,
-/// all at one 45.7 vs 55.1 us; but each boundary request is then 8 dependent slices (about 22 us),
-/// and a decode step of 128+ requests at random positions almost always has one.
-template <typename Few, typename Many, uint32_t kManyRows>
-struct ByRows {
-  using Compressor = typename Few::Compressor;
-  using Params = typename Few::Params;
-  template <typename P>
-  static void run(const char* op, DLDevice dev, bool pdl, const P& p) {
-    if (p.c.num_rows >= kManyRows) {
-      PoolLaunch<Many>::run(op, dev, pdl, p);
-    } else {
-      PoolLaunch<Few>::run(op, dev, pdl, p);
-    }
-  }
-};
-
-template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL>
-using RingPrefill = std::conditional_t<kRatio == 128,
-                                       ByRows<RingPass<kRatio, BufferT, InT, F, kPDL, false>,
-                                              RingPass<kRatio, BufferT, InT, F, kPDL, false, true>, 128>,
-                                       PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, false>>>;
-
 /// The online c128 compressor's passes (online.cuh), head_dim 512: prefill pool or decode. A
-/// prefill segment row spans 8 slice units: a cluster of 8 blocks, or (kSlicesInTurn) one block
-/// taking them in turn.
-template <typename BufferT, store::Format F, bool kPDL, bool kDecode, bool kSlicesInTurn = false>
+/// prefill segment row spans 8 slice units, which one block pools in turn (a cluster of 8 blocks
+/// per row pays only where the two steps are faster still: ops/fused.py).
+template <typename BufferT, store::Format F, bool kPDL, bool kDecode>
 struct OnlinePass {
   static constexpr int kHeadDim = 512;
   using Compressor = online::Online<kHeadDim, BufferT, kPDL>;
   using K = typename Compressor::K;
   using Params = online::Params;
-  using Step = std::conditional_t<
-      kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
-      std::conditional_t<kSlicesInTurn, StoreStep<float, F, kPDL, 4, 1, kHeadDim / 128>,
-                         StoreStep<float, F, kPDL, K::kPrefillC, K::kPrefillWarps, 1>>>;
-  static_assert(!kDecode || !kSlicesInTurn, "decode units are single warps");
+  using Step = std::conditional_t<kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
+                                  StoreStep<float, F, kPDL, 4, 1, kHeadDim / 128>>;
   static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
   static constexpr int kMinBlocks = kDecode ? 0 : K::kPrefillMinBlocks;
 
-  static LaunchShape shape(uint32_t rows) {
-    if constexpr (kSlicesInTurn) return {rows, kThreads};
-    return {kDecode ? Compressor::decode_blocks(rows) : rows * Compressor::kPrefillSlices, kThreads, 0,
-            Step::kClusterDim};
-  }
+  static LaunchShape shape(uint32_t rows) { return {kDecode ? Compressor::decode_blocks(rows) : rows, kThreads}; }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
     using Lane = typename K::PrefillLane;
     if constexpr (kDecode) {
       K::decode(c, sink);
-    } else if constexpr (kSlicesInTurn) {
+    } else {
       pool_slices_in_turn<Lane, kHeadDim, K::kPrefillC>(
           sink, [&](const Lane& lane, auto& gather) { K::template prefill<false, true>(c, lane, gather); });
-    } else {
-      K::template prefill<false>(c, Lane::of(1, K::kPrefillWarps), sink);
     }
   }
 };
 
-/// Online c128 prefill: clusters for a few segment rows, a block per row from 128 (as RingPrefill;
-/// measured at 32768 tokens, 256 rows: 43.0 vs 66.6-67.0 us).
-template <typename BufferT, store::Format F, bool kPDL>
-using OnlinePrefill = ByRows<OnlinePass<BufferT, F, kPDL, false>, OnlinePass<BufferT, F, kPDL, false, true>, 128>;
-
 /// Host entry points over a compressor's prefill and decode pass launchers: every tensor of both
-/// steps is checked before any launch. The compressed rows take the store's dtype (InT).
+/// steps is checked before any launch. The compressed rows take the store's dtype (InT). The
+/// *_two_step entries run the compressor's own kernels into `rows` and then the store kernel,
+/// for the calls where that measured faster than one fused kernel (the rule: ops/fused.py).
 template <typename PrefillPass, typename DecodePass, typename InT, store::Format F, bool kPDL, int kRatio>
 struct Entry {
   using Compressor = typename PrefillPass::Compressor;
@@ -345,17 +296,44 @@ struct Entry {
                          page_size, kRatio, is_decode, eps, num_q_tokens);
   }
 
+  /// Checks both steps of a prefill (`rows`: the compressed rows, or nullptr when fused).
+  static Params<typename PrefillPass::Params> prefill_params(
+      Device& dev, Size& rows_w, const TensorView& kv_score_buffer, const TensorView& kv_score_input,
+      const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w, const TensorView* rows,
+      const TensorView& norm_weight, const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache,
+      const Optional<TensorView>& status, int64_t page_size, double eps, int64_t num_q_tokens) {
+    Size rows_c{"plan_c_rows"};
+    Params<typename PrefillPass::Params> p{};
+    p.c = Compressor::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, rows, nullptr,
+                                     rows_c, rows_w);
+    add_store(p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, status, page_size, false, eps,
+              num_q_tokens);
+    if (rows != nullptr) p.s.kv = rows->data_ptr();
+    return p;
+  }
+
+  /// Checks both steps of a decode (`rows` as in prefill_params).
+  static Params<typename DecodePass::Params> decode_params(
+      Device& dev, const TensorView& kv_score_buffer, const TensorView& kv_score_input, const TensorView& ape,
+      const TensorView& plan_d, const TensorView* rows, const TensorView& norm_weight, const TensorView& freq,
+      const TensorView& out_loc, const TensorView& kvcache, const Optional<TensorView>& status, int64_t page_size,
+      double eps) {
+    Size batch{"batch_size"};
+    Params<typename DecodePass::Params> p{};
+    p.c = Compressor::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, rows, nullptr, batch);
+    add_store(p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, status, page_size, true, eps, -1);
+    if (rows != nullptr) p.s.kv = rows->data_ptr();
+    return p;
+  }
+
   static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
                       TensorView plan_w, TensorView norm_weight, TensorView freq, TensorView out_loc,
                       TensorView kvcache, Optional<TensorView> status, int64_t page_size, double eps,
                       int64_t num_q_tokens) {
     Device dev;
-    Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Params<typename PrefillPass::Params> p{};
-    p.c = Compressor::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr,
-                                     nullptr, rows_c, rows_w);
-    add_store(p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, status, page_size, false, eps,
-              num_q_tokens);
+    Size rows_w{"plan_w_rows"};
+    const auto p = prefill_params(dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr,
+                                  norm_weight, freq, out_loc, kvcache, status, page_size, eps, num_q_tokens);
     PrefillPass::run(kOp, dev.dev, kPDL, p);
     Compressor::launch_write(kOp, dev, p.c, rows_w.value);
   }
@@ -364,22 +342,43 @@ struct Entry {
                      TensorView norm_weight, TensorView freq, TensorView out_loc, TensorView kvcache,
                      Optional<TensorView> status, int64_t page_size, double eps) {
     Device dev;
-    Size batch{"batch_size"};
-    Params<typename DecodePass::Params> p{};
-    p.c = Compressor::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, nullptr, nullptr, batch);
-    add_store(p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, status, page_size, true, eps, -1);
+    const auto p = decode_params(dev, kv_score_buffer, kv_score_input, ape, plan_d, nullptr, norm_weight, freq, out_loc,
+                                 kvcache, status, page_size, eps);
     DecodePass::run(kOp, dev.dev, kPDL, p);
+  }
+
+  static void prefill_two_step(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape,
+                               TensorView plan_c, TensorView plan_w, TensorView rows, TensorView norm_weight,
+                               TensorView freq, TensorView out_loc, TensorView kvcache, Optional<TensorView> status,
+                               int64_t page_size, double eps, int64_t num_q_tokens) {
+    Device dev;
+    Size rows_w{"plan_w_rows"};
+    const auto p = prefill_params(dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &rows,
+                                  norm_weight, freq, out_loc, kvcache, status, page_size, eps, num_q_tokens);
+    Compressor::launch_prefill(kOp, dev, p.c, rows_w.value);
+    Store::launch_store(kOp, dev, p.s);
+  }
+
+  static void decode_two_step(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape,
+                              TensorView plan_d, TensorView rows, TensorView norm_weight, TensorView freq,
+                              TensorView out_loc, TensorView kvcache, Optional<TensorView> status, int64_t page_size,
+                              double eps) {
+    Device dev;
+    const auto p = decode_params(dev, kv_score_buffer, kv_score_input, ape, plan_d, &rows, norm_weight, freq, out_loc,
+                                 kvcache, status, page_size, eps);
+    Compressor::launch_decode(kOp, dev, p.c);
+    Store::launch_store(kOp, dev, p.s);
   }
 };
 
 /// compress_and_store on the state ring (c4, c128).
 template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL>
-struct CompressAndStore : Entry<RingPrefill<kRatio, BufferT, InT, F, kPDL>,
+struct CompressAndStore : Entry<PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, false>>,
                                 PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, true>>, InT, F, kPDL, kRatio> {};
 
 /// compress_and_store(is_online=True): the online c128 state rows, fp32 rows, V4 formats.
 template <typename BufferT, store::Format F, bool kPDL>
-struct OnlineCompressAndStore : Entry<OnlinePrefill<BufferT, F, kPDL>,
+struct OnlineCompressAndStore : Entry<PoolLaunch<OnlinePass<BufferT, F, kPDL, false>>,
                                       PoolLaunch<OnlinePass<BufferT, F, kPDL, true>>, float, F, kPDL, 128> {};
 
 }  // namespace dsv4::fused

@@ -317,8 +317,17 @@ struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
     Params p = Online::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr,
                                       rows_c, rows_w);
     p.status = status_words(kOp, dev, status);
-    launch(kOp, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, false>, p);
-    launch_write(kOp, dev, p, rows_w.value);
+    launch_prefill(kOp, dev, p, rows_w.value);
+  }
+
+  /// The pool pass, then the write pass over `rows_w` plan_w rows, of checked parameters.
+  static void launch_prefill(const char* op, const Device& dev, const Params& p, int64_t rows_w) {
+    launch(op, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, false>, p);
+    launch_write(op, dev, p, rows_w);
+  }
+
+  static void launch_decode(const char* op, const Device& dev, const Params& p) {
+    launch(op, dev.dev, {decode_blocks(p.num_rows), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
   }
 
   static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
@@ -327,7 +336,7 @@ struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
     Device dev;
     Params p = Online::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
     p.status = status_words(kOp, dev, status);
-    launch(kOp, dev.dev, {decode_blocks(p.num_rows), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
+    launch_decode(kOp, dev, p);
   }
 };
 

@@ -796,13 +796,18 @@ struct NormRopeStore {
     Params p = checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, status_words(op, dev, status), page_size,
                        compress_ratio, is_decode, eps, num_q_tokens);
     p.kv = kv.data_ptr();
+    launch_store(op, dev, p);
+  }
+
+  /// The store kernel over checked parameters (checked(), then p.kv).
+  static void launch_store(const char* op, const Device& dev, const Params& p) {
     if constexpr (!L::kIndexer) {
       launch_rows<kWarpSize>(op, dev, p);
     } else {
       if (p.rows > kLargeBatchRows) {
         if constexpr (F == Format::kIndexerFp4) {
           // rows on 4 lanes store 8-byte words: pages of 2+ tokens keep them aligned
-          if (page_size > 1) return launch_rows<4>(op, dev, p);
+          if (p.log2_page_size > 0) return launch_rows<4>(op, dev, p);
         }
         return launch_rows<8>(op, dev, p);
       }

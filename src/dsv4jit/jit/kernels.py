@@ -91,6 +91,8 @@ FUSED = KernelSpec(
     params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _FUSED_ENTRY + "::prefill", "decode": _FUSED_ENTRY + "::decode",
+             "prefill_two_step": _FUSED_ENTRY + "::prefill_two_step",
+             "decode_two_step": _FUSED_ENTRY + "::decode_two_step",
              "describe_compress_status": "dsv4::compress::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32", "pdl": True}
@@ -98,6 +100,8 @@ FUSED = KernelSpec(
     doc="compress + RMSNorm + RoPE (+ Hadamard) + quantize + paged store in one kernel (head_dim from the format)",
     reject=lambda v: ("ratio 128 stores V4 rows (head_dim 512) only, not the indexer formats"
                       if v["ratio"] == 128 and v["format"].startswith("indexer") else None),
+    # what compress_and_store calls (ops/fused.py): c4 always one kernel, ring c128 never for prefill
+    omit=lambda v: ("prefill_two_step", "decode_two_step") if v["ratio"] == 4 else ("prefill",),
 )
 
 _COMPAT_ENTRY = "dsv4::compat::CompatC4<{head_dim}, {state}, {input}, {output}, {pdl}>"
@@ -130,6 +134,7 @@ FUSED_ONLINE = KernelSpec(
     header="fused.cuh",
     params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _FUSED_ONLINE_ENTRY + "::prefill", "decode": _FUSED_ONLINE_ENTRY + "::decode",
+             "prefill_two_step": _FUSED_ONLINE_ENTRY + "::prefill_two_step",
              "describe_compress_status": "dsv4::online::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"format": "v4_fp8", "state": st, "pdl": True} for st in ("fp32", "bf16")),

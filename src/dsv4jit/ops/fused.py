@@ -1,7 +1,8 @@
 """``compress_and_store``: a compressor and the store step in one op, the pooled rows going from
-registers to the cache (csrc/fused.cuh; contract §6.11). The ring compressors (``fused``) and, with
-``is_online=True``, the online c128 one (``fused_online``); CPU tensors run the two steps' references,
-the store's arguments checked before the first write."""
+registers to the cache (csrc/fused.cuh; contract §6.11), or the two steps from one entry point where
+those measured faster (runs_fused). The ring compressors (``fused``) and, with ``is_online=True``, the
+online c128 one (``fused_online``); CPU tensors run the two steps' references, the store's arguments
+checked before the first write."""
 
 from __future__ import annotations
 
@@ -24,6 +25,23 @@ _OP = "compress_and_store"
 _TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis", "out_loc", "kvcache")
 #: The exports that tell the two status words of a fused kernel: its compressor's, then the store's.
 _DESCRIBE = ("describe_compress_status", "describe_store_status")
+
+#: Where one fused kernel measured slower than the two steps, the op runs the two steps itself, from
+#: one entry point that checks both first (docs/performance.md, "One kernel or two steps"). A ring
+#: c128 row is a cluster of 8 blocks that store only once the slowest has pooled: it pays while
+#: the batch leaves SMs free (decode up to this many requests), never in prefill.
+RING_C128_FUSED_DECODE_MAX_BATCH = 24
+#: Online prefill pools each segment row in one block: it pays from this many plan rows, where
+#: fewer would leave SMs idle that the compressor's 8 blocks per row keep busy.
+ONLINE_FUSED_PREFILL_MIN_ROWS = 129
+
+
+def runs_fused(compress_ratio: int, is_online: bool, is_decode: bool, rows: int) -> bool:
+    """Whether compress_and_store runs one fused kernel for a call of `rows` plan rows (else the two
+    steps, byte-identical either way)."""
+    if is_online:
+        return is_decode or rows >= ONLINE_FUSED_PREFILL_MIN_ROWS
+    return compress_ratio == 4 or (is_decode and rows <= RING_C128_FUSED_DECODE_MAX_BATCH)
 
 
 def kernel(compress_ratio: int, store_format: str, state: str, input: str) -> KernelChoice:
@@ -53,7 +71,10 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
 
     Decode is one kernel launch; prefill is the fused pool-and-store kernel followed by the state-ring
     write pass (this step's ring writes may alias rows the pooling reads, so they must come after it).
-    is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
+    Where one kernel is the slower path (ring c128 prefill and decode batches above 24, online
+    prefills below 129 plan rows: runs_fused), the call runs the two steps instead, every argument of
+    both checked before the first launch. is_online=True fuses the online c128 compressor instead
+    (online plans, head_dim 512, fp32 rows).
     """
     op = _OP
     plan = as_plan(op, plan)
@@ -108,8 +129,10 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     choice = kernel(compress_ratio, store_format,
                     common.dtype_name(kv_score_buffer, "kv_score_buffer", op, STATE_DTYPES),
                     common.dtype_name(kv_score_input, "kv_score_input", op, STATE_DTYPES))
-    _call_fused(choice, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
-                kvcache, page_size, norm_eps, num_q_tokens)
+    rows = None if runs_fused(compress_ratio, False, is_decode, plan_rows.shape[0]) else torch.empty(
+        (plan_rows.shape[0], head_dim), dtype=kv_score_input.dtype, device=device)
+    _call_fused(choice, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, norm_weight, freq,
+                out_loc, kvcache, page_size, norm_eps, num_q_tokens)
 
 
 def _compress_and_store_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
@@ -157,23 +180,27 @@ def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
                       is_decode, norm_eps, num_q_tokens)
         return
     choice = online_kernel(store_format, common.dtype_name(kv_score_buffer, "kv_score_buffer", op, STATE_DTYPES))
-    _call_fused(choice, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
-                kvcache, page_size, norm_eps, num_q_tokens)
+    rows = None if runs_fused(ONLINE_RATIO, True, is_decode, plan_rows.shape[0]) else torch.empty(
+        (plan_rows.shape[0], hd), dtype=torch.float32, device=device)
+    _call_fused(choice, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, norm_weight, freq,
+                out_loc, kvcache, page_size, norm_eps, num_q_tokens)
 
 
 def _call_fused(choice: KernelChoice, device: torch.device, kv_score_buffer: torch.Tensor,
                 kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,
-                plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor, freq: torch.Tensor, out_loc: torch.Tensor,
-                kvcache: torch.Tensor, page_size: int, norm_eps: float, num_q_tokens: int) -> None:
-    """Calls a fused entry point (decode: plan_w None) and raises what checked mode found: word 0 of the
-    status holds the compressor's violations, word 1 the store's."""
+                plan_w: Optional[torch.Tensor], rows: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, norm_eps: float,
+                num_q_tokens: int) -> None:
+    """Calls a fused entry point (decode: plan_w None; rows: the compressed rows of the two-step
+    entries, None for the fused kernel) and raises what checked mode found: word 0 of the status
+    holds the compressor's violations, word 1 the store's."""
     name, params = choice
-    fn = runtime.function(name, "decode" if plan_w is None else "prefill", device, **params)
+    entry = ("decode" if plan_w is None else "prefill") + ("" if rows is None else "_two_step")
+    fn = runtime.function(name, entry, device, **params)
     status = runtime.status_word(device, words=2)
-    if plan_w is None:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size,
-           norm_eps)
-    else:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
-           page_size, norm_eps, num_q_tokens)
+    plan = (plan_rows,) if plan_w is None else (plan_rows, plan_w)
+    rows = () if rows is None else (rows,)
+    tail = () if plan_w is None else (num_q_tokens,)
+    fn(kv_score_buffer, kv_score_input, ape, *plan, *rows, norm_weight, freq, out_loc, kvcache, status, page_size,
+       norm_eps, *tail)
     runtime.raise_status(status, _OP, name, device, params, _DESCRIBE)
