@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--indexer-fp8", action="store_true", help="indexer cache in fp8 instead of fp4")
     pd.add_argument("--eager", action="store_true", help="decode without a CUDA graph")
     pd.add_argument("--fused", action="store_true",
-                    help="run each compressor step through compress_and_store (one kernel) instead of two ops")
+                    help="run each compressor step through compress_and_store (one op) instead of two")
     pd.add_argument("--decode-plans", choices=("in-graph", "copy"),
                     help="build decode plans inside the graph, or outside it and copy_ them in")
     pd.add_argument("--no-check", action="store_true", help="skip the reference run and the comparison")

@@ -82,7 +82,7 @@ def step(comp: Compressor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor, 
          fused: bool = False) -> None:
     """One compressor for one forward step: pool the windows this step closes and update the state
     ring, then RMSNorm + RoPE (+ Hadamard) + quantize into the compressed cache (`fused`: in one
-    kernel, compress_and_store; the same bytes)."""
+    op, compress_and_store; the same bytes)."""
     spec = comp.spec
     if fused:
         compress_and_store(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio,

@@ -32,7 +32,7 @@ class DemoConfig:
     graph: bool = True           # capture the decode step in a CUDA graph (GPU only)
     decode_plans: str = "in-graph"  # "in-graph" or "copy" (see DecodeGraph)
     check: bool = True           # also run the reference backend and compare
-    fused: bool = False          # each compressor step through compress_and_store (one kernel)
+    fused: bool = False          # each compressor step through compress_and_store (one op)
 
     def validate(self) -> None:
         for name in ("requests", "min_prompt", "chunk", "layers"):
