@@ -199,8 +199,8 @@ def _call_fused(choice: KernelChoice, device: torch.device, kv_score_buffer: tor
     fn = runtime.function(name, entry, device, **params)
     status = runtime.status_word(device, words=2)
     plan = (plan_rows,) if plan_w is None else (plan_rows, plan_w)
-    rows = () if rows is None else (rows,)
+    buffer = () if rows is None else (rows,)
     tail = () if plan_w is None else (num_q_tokens,)
-    fn(kv_score_buffer, kv_score_input, ape, *plan, *rows, norm_weight, freq, out_loc, kvcache, status, page_size,
+    fn(kv_score_buffer, kv_score_input, ape, *plan, *buffer, norm_weight, freq, out_loc, kvcache, status, page_size,
        norm_eps, *tail)
     runtime.raise_status(status, _OP, name, device, params, _DESCRIBE)
