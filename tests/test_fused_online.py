@@ -25,9 +25,9 @@ import torch
 
 from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_forward,
                      compress_norm_rope_store)
+from dsv4jit.ops import fused as fused_ops
 from dsv4jit.reference import store as ref_store
 from test_compress import C128_128, DEVICES
-from dsv4jit.ops import fused as fused_ops
 from test_fused import CUDA_MARKS, MAX_CTX, Twin, fused_entries
 
 HD, R = 512, 128
