@@ -129,10 +129,9 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     choice = kernel(compress_ratio, store_format,
                     common.dtype_name(kv_score_buffer, "kv_score_buffer", op, STATE_DTYPES),
                     common.dtype_name(kv_score_input, "kv_score_input", op, STATE_DTYPES))
-    rows = None if runs_fused(compress_ratio, False, is_decode, plan_rows.shape[0]) else torch.empty(
-        (plan_rows.shape[0], head_dim), dtype=kv_score_input.dtype, device=device)
-    _call_fused(choice, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, norm_weight, freq,
-                out_loc, kvcache, page_size, norm_eps, num_q_tokens)
+    _call_fused(choice, device, runs_fused(compress_ratio, False, is_decode, plan_rows.shape[0]),
+                (head_dim, kv_score_input.dtype), kv_score_buffer, kv_score_input, ape, plan_rows, plan_w,
+                norm_weight, freq, out_loc, kvcache, page_size, norm_eps, num_q_tokens)
 
 
 def _compress_and_store_online(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
@@ -180,26 +179,26 @@ def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
                       is_decode, norm_eps, num_q_tokens)
         return
     choice = online_kernel(store_format, common.dtype_name(kv_score_buffer, "kv_score_buffer", op, STATE_DTYPES))
-    rows = None if runs_fused(ONLINE_RATIO, True, is_decode, plan_rows.shape[0]) else torch.empty(
-        (plan_rows.shape[0], hd), dtype=torch.float32, device=device)
-    _call_fused(choice, device, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, norm_weight, freq,
-                out_loc, kvcache, page_size, norm_eps, num_q_tokens)
+    _call_fused(choice, device, runs_fused(ONLINE_RATIO, True, is_decode, plan_rows.shape[0]), (hd, torch.float32),
+                kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
+                page_size, norm_eps, num_q_tokens)
 
 
-def _call_fused(choice: KernelChoice, device: torch.device, kv_score_buffer: torch.Tensor,
-                kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,
-                plan_w: Optional[torch.Tensor], rows: Optional[torch.Tensor], norm_weight: torch.Tensor,
+def _call_fused(choice: KernelChoice, device: torch.device, one_kernel: bool, row_layout: tuple[int, torch.dtype],
+                kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+                plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor,
                 freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, norm_eps: float,
                 num_q_tokens: int) -> None:
-    """Calls a fused entry point (decode: plan_w None; rows: the compressed rows of the two-step
-    entries, None for the fused kernel) and raises what checked mode found: word 0 of the status
-    holds the compressor's violations, word 1 the store's."""
+    """Calls a fused entry point (decode: plan_w None): the fused kernel (one_kernel), else the
+    two-step entry with a buffer for the compressed rows (row_layout: head_dim, dtype); and raises what
+    checked mode found: word 0 of the status holds the compressor's violations, word 1 the store's."""
     name, params = choice
-    entry = ("decode" if plan_w is None else "prefill") + ("" if rows is None else "_two_step")
+    entry = ("decode" if plan_w is None else "prefill") + ("" if one_kernel else "_two_step")
     fn = runtime.function(name, entry, device, **params)
     status = runtime.status_word(device, words=2)
     plan = (plan_rows,) if plan_w is None else (plan_rows, plan_w)
-    buffer = () if rows is None else (rows,)
+    head_dim, dtype = row_layout
+    buffer = () if one_kernel else (torch.empty((plan_rows.shape[0], head_dim), dtype=dtype, device=device),)
     tail = () if plan_w is None else (num_q_tokens,)
     fn(kv_score_buffer, kv_score_input, ape, *plan, *buffer, norm_weight, freq, out_loc, kvcache, status, page_size,
        norm_eps, *tail)
