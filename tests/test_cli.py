@@ -159,6 +159,20 @@ def test_precompile_without_nvcc_exits_2(run, no_toolchain, cache_dir):
     assert entries_on_disk(cache_dir) == []
 
 
+@pytest.mark.parametrize("command", [["list"], ["info"], ["precompile", *SELECT]])
+def test_without_tvm_ffi_commands_exit_2_naming_the_package(run, monkeypatch, cache_dir, command):
+    monkeypatch.setitem(sys.modules, "tvm_ffi", None)  # import tvm_ffi raises ImportError
+    monkeypatch.setitem(sys.modules, "tvm_ffi.libinfo", None)
+    cache.tvm_ffi_info.cache_clear()
+    try:
+        code, out, err = run(*command)
+    finally:
+        cache.tvm_ffi_info.cache_clear()
+    assert code == 2, err
+    assert "apache-tvm-ffi is not importable" in err and "pip install apache-tvm-ffi" in err
+    assert "internal error" not in err
+
+
 def test_precompile_without_nvcc_accepts_cached_variants(run, no_toolchain, warm_cache):
     code, out, err = run("precompile", *SELECT)
     assert code == 0, err

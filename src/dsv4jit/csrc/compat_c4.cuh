@@ -111,7 +111,7 @@ struct Kernels {
     K::template load_window<W::kSlots>(p.base, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
     float v[C];
-    const bool holds = K::reduce_unit(lane, kv, z, v);
+    const bool holds = K::template reduce_unit<1>(lane, kv, z, v);
     emit(p, lane, out_row, holds, v);
   }
 

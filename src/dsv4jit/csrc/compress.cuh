@@ -50,6 +50,7 @@ inline tvm::ffi::String describe_status(int64_t word) {
 /// Geometry of a ratio: token-row layout, window slots, and where each slot's columns live.
 template <int kRatio, int kHeadDim>
 struct Window {
+  static_assert(kRatio == 4 || kRatio == 128, "the two compress ratios");
   static constexpr bool kOverlap = kRatio == 4;
   static constexpr int kSlots = kOverlap ? 8 : 128;                  // Wn
   static constexpr int kRowWidth = (kOverlap ? 4 : 2) * kHeadDim;    // kv_ov | kv | sc_ov | sc, or kv | sc
@@ -176,29 +177,66 @@ struct Kernels {
     for (int c = 0; c < C; ++c) kv[c] = 0.0f, z[c] = -INFINITY;
   }
 
+  /// How many warps of a unit merge its partials for `Sink`: Sink::kMergeWarps where the sink
+  /// takes the spread layout (merged_lane), else 1 (the first warp, each lane its own C channels).
+  template <typename Sink>
+  static constexpr int merge_warps() {
+    if constexpr (requires { Sink::kMergeWarps; }) {
+      return Sink::kMergeWarps;
+    } else {
+      return 1;
+    }
+  }
+
+  /// Whether `Sink` needs only the threads that hold values in emit() (Sink::kHoldersOnly), so the
+  /// others may leave as soon as the plan row shows they hold none (else every thread of a unit
+  /// reaches emit(): a sink may synchronise its block or cluster there).
+  template <typename Sink>
+  static constexpr bool holders_only() {
+    if constexpr (requires { Sink::kHoldersOnly; }) {
+      return Sink::kHoldersOnly;
+    } else {
+      return false;
+    }
+  }
+
+  /// This thread's channels of the pooled row when kMergeWarps warps merge (pool_unit).
+  template <int kMergeWarps>
+  static DSV4_DEV Lane merged_lane(const Lane& lane) {
+    Lane at = lane;
+    const int slice = lane.channel / W::kUnitChannels, l = threadIdx.x % kWarpSize;
+    at.channel = slice * W::kUnitChannels + merged_channel<kMergeWarps, C>(lane.warp_in_unit * kWarpSize + l);
+    return at;
+  }
+
   /// Pools the unit's window (pool_unit: this warp holds kSlots of it) into the pooled values of
-  /// this lane's channels; true in the warp that holds them.
+  /// the channels merged_lane() names; true in the threads that hold them.
+  template <int kMergeWarps>
   static DSV4_DEV bool reduce_unit(const Lane& lane, const float (&kv)[kSlots][C], const float (&z)[kSlots][C],
-                                   float (&v)[C]) {
-    SoftmaxPartial<C> total;
+                                   float (&v)[C / kMergeWarps]) {
+    SoftmaxPartial<C / kMergeWarps> total;
     const int slice = lane.channel / W::kUnitChannels;
-    if (!pool_unit<W::kWarpsPerUnit, false>(kv, z, lane.warp_in_unit, slice, total)) return false;
+    if (!pool_unit<W::kWarpsPerUnit, false, kMergeWarps>(kv, z, lane.warp_in_unit, slice, total)) return false;
 #pragma unroll
-    for (int c = 0; c < C; ++c) v[c] = pooled_value(total, c);
+    for (int c = 0; c < C / kMergeWarps; ++c) v[c] = pooled_value(total, c);
     return true;
   }
 
   /// Where pooled rows go in compress_forward: row `row` of `out`, in OutT. The pool passes hand
   /// every unit's result to a sink (prepare() once the row is known valid, emit() by every thread
-  /// of the unit, `holds` in the warp with the values), so the fused kernel can store them instead.
+  /// of the unit, `holds` in the threads with the values), so the fused kernel can store them
+  /// instead. c128 spreads the merge over C warps, one channel per thread.
   struct OutputRows {
+    static constexpr int kMergeWarps = W::kWarpsPerUnit > 1 ? C : 1;
+    static constexpr bool kHoldersOnly = true;
     const Params& p;
     DSV4_DEV void prepare(const Lane&) {}
-    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
+    template <int N>
+    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[N]) {
       if (!holds) return;
-      Vec<OutT, C> out;
+      Vec<OutT, N> out;
 #pragma unroll
-      for (int c = 0; c < C; ++c) out[c] = from_f32<OutT>(v[c]);
+      for (int c = 0; c < N; ++c) out[c] = from_f32<OutT>(v[c]);
       store_vec(static_cast<OutT*>(p.out) + uint64_t{lane.row} * kHeadDim + lane.channel, out);
     }
   };
@@ -224,9 +262,10 @@ struct Kernels {
     float kv[kSlots][C], z[kSlots][C];
     load_window<kSlots>(p, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
-    float v[C];
-    const bool holds = reduce_unit(lane, kv, z, v);
-    sink.emit(lane, holds, v);
+    constexpr int M = merge_warps<Sink>();
+    float v[C / M];
+    const bool holds = reduce_unit<M>(lane, kv, z, v);
+    sink.emit(merged_lane<M>(lane), holds, v);
   }
 
   /// Whether the state pages an event reads exist (c4 reads two, c128 one).
@@ -278,8 +317,8 @@ struct Kernels {
 
   /// Decode: write the current token; at a boundary pool the whole window from the ring (the
   /// last slot straight from registers: same values the ring now holds); else zero the output.
-  /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and
-  /// every window slot at once. The token store and the pooling come after all of them.
+  /// Two dependent round trips: the plan row, with the token beside it; then the token store, the
+  /// ape rows and every window slot at once. The pooling comes after all of them.
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();
@@ -287,46 +326,51 @@ struct Kernels {
     const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
     Vec<InT, C> token[W::kGroups];
     if (last_warp) load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
-    Bias bias;
-    load_bias(p, lane, bias);
     const DecodePlan plan = load_row(static_cast<const DecodePlan*>(p.plan), lane.row);
-    // Every field is needed before the first branch, so the row arrives in one round trip.
-    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : plan.write_loc % kRatio == kRatio - 1;
+    // Every field is needed before the first branch, so the row arrives in one round trip. The
+    // masks equal the remainders for write_loc >= 0, the only rows that go on.
+    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : (plan.write_loc & (kRatio - 1)) == kRatio - 1;
     const bool pooled = boundary && pages_in_range(p, plan.read_page_0, plan.read_page_1);
+    constexpr int M = merge_warps<Sink>();
+    // Off boundary most of a c128 unit's warps have nothing to do: they leave at once rather than
+    // hold the block's slot through the others' stores (the block's life is the plan round trip).
+    if (holders_only<Sink>() && !pooled && !last_warp && lane.warp_in_unit >= M) return;
     if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, kWriteLocOutOfRange);
       return;
     }
     sink.prepare(lane);
+    // The token store first: no load below may move above it (they might alias), so it waits for
+    // nothing but the plan row and the token, and an off-boundary row is done one round trip in.
+    if (last_warp) store_state_row(p, token, plan.write_loc, lane.channel);
     float kv[kSlots][C], z[kSlots][C];
     if (pooled) {
       const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
+      Bias bias;
+      load_bias(p, lane, bias);
       if (last_warp) {
-        load_window<kSlots - 1>(p, src, lane, bias, kv, z);  // the last slot is the token, below
+        load_window<kSlots - 1>(p, src, lane, bias, kv, z);
+        // The last slot is the token, through BufferT exactly as a read-back of the ring would be.
+        constexpr int s = W::kSlots - 1;
+        slot_values(convert_vec<BufferT>(token[W::kv_col(s) / kHeadDim]),
+                    convert_vec<BufferT>(token[W::score_col(s) / kHeadDim]), bias[kSlots - 1], kv[kSlots - 1],
+                    z[kSlots - 1]);
       } else {
         load_window<kSlots>(p, src, lane, bias, kv, z);
       }
     }
-    if (last_warp) {
-      store_state_row(p, token, plan.write_loc, lane.channel);
-      // Through BufferT, exactly as a read-back of the ring would be.
-      constexpr int s = W::kSlots - 1;
-      slot_values(convert_vec<BufferT>(token[W::kv_col(s) / kHeadDim]),
-                  convert_vec<BufferT>(token[W::score_col(s) / kHeadDim]), bias[kSlots - 1], kv[kSlots - 1],
-                  z[kSlots - 1]);
-    }
     pdl_launch_dependents<kPDL>();
-    float v[C];
+    float v[C / M];
     bool holds;
     if (pooled) {
-      holds = reduce_unit(lane, kv, z, v);
+      holds = reduce_unit<M>(lane, kv, z, v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
 #pragma unroll
-      for (int c = 0; c < C; ++c) v[c] = 0.0f;
-      holds = lane.warp_in_unit == 0;
+      for (int c = 0; c < C / M; ++c) v[c] = 0.0f;
+      holds = lane.warp_in_unit < M;
     }
-    sink.emit(lane, holds, v);
+    sink.emit(merged_lane<M>(lane), holds, v);
   }
 };
 

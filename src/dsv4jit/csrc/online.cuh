@@ -238,7 +238,7 @@ struct Kernels {
     }
     pdl_launch_dependents<kPDL>();
     SoftmaxPartial<C> part;
-    if (pool_unit<kPrefillWarps, kSlicesInTurn>(kv, z, lane.warp_in_unit, slice, part) && merge) {
+    if (pool_unit<kPrefillWarps, kSlicesInTurn, 1>(kv, z, lane.warp_in_unit, slice, part) && merge) {
       merge_into(stored, part);  // the stored partial covers the chunk's earlier tokens
       part = stored;
     }

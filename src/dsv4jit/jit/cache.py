@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
+from ..errors import DSV4JITToolchainError
 from .registry import Variant
 from .toolchain import Arch
 
@@ -87,8 +88,12 @@ def _closure_memo(header: str) -> tuple:
 @functools.lru_cache(maxsize=None)
 def tvm_ffi_info() -> dict:
     """Version and include-folder digest of tvm-ffi (covers editable installs), plus its paths."""
-    import tvm_ffi
-    import tvm_ffi.libinfo as li
+    try:
+        import tvm_ffi
+        import tvm_ffi.libinfo as li
+    except ImportError as e:  # a declared dependency: a broken install, said as such
+        raise DSV4JITToolchainError(f"apache-tvm-ffi is not importable ({e}): dsv4jit builds and loads its kernels "
+                                    "through it; install it (pip install apache-tvm-ffi)") from e
 
     include = Path(li.find_include_path())
     dlpack = Path(li.find_dlpack_include_path())

@@ -77,45 +77,64 @@ DSV4_DEV constexpr int merging_warp(int slice) {
   return kSlicesInTurn ? slice % kWarps : 0;
 }
 
+/// The unit channel of the first of the C / kMergeWarps channels that merging thread
+/// `merge_thread` (warp_in_unit · 32 + lane, below 32 · kMergeWarps) holds after pool_unit.
+template <int kMergeWarps, int C>
+DSV4_DEV constexpr int merged_channel(int merge_thread) {
+  return merge_thread * (C / kMergeWarps);
+}
+
 /// Pools a unit's window, N slots per warp in registers, kWarps warps of one block; true in the
-/// warp that then holds the unit's partial (merging_warp). Each warp pools its slots; after one
-/// barrier the merging warp takes the window's max over the warps' partials first, so every
-/// partial's rescaling weight is independent of the others (no chain of exps). Every thread of
-/// the block calls it (for each slice in turn, with kSlicesInTurn: slice s uses buffer s % 2, as
-/// the previous slice's may still be read).
-template <int kWarps, bool kSlicesInTurn, int N, int C>
+/// threads that then hold the unit's partial. Each warp pools its slots; after one barrier the
+/// merging threads take the window's max over the warps' partials first, so every partial's
+/// rescaling weight is independent of the others (no chain of exps). kMergeWarps warps merge,
+/// C / kMergeWarps channels per thread (merged_channel): spreading the merge over C warps halves
+/// the serial tail that holds the block after its last load. With kSlicesInTurn (the block pools
+/// a row's slices one after another) one warp merges, merging_warp(slice), and slice s uses
+/// buffer s % 2, as the previous slice's may still be read. Every thread of the block calls it.
+template <int kWarps, bool kSlicesInTurn, int kMergeWarps, int N, int C>
 DSV4_DEV bool pool_unit(const float (&kv)[N][C], const float (&z)[N][C], int warp_in_unit, int slice,
-                        SoftmaxPartial<C>& part) {
-  part = pool_slots(kv, z);
-  if constexpr (kWarps > 1) {
-    struct Exchange {  // one array per field: a lane's C floats are adjacent (conflict-free)
-      float max[kWarps][kWarpSize][C];
-      float sum[kWarps][kWarpSize][C];
-      float acc[kWarps][kWarpSize][C];
+                        SoftmaxPartial<C / kMergeWarps>& part) {
+  static_assert(C % kMergeWarps == 0 && (kMergeWarps == 1 || (!kSlicesInTurn && kMergeWarps <= kWarps)));
+  constexpr int M = C / kMergeWarps;  // channels per merging thread
+  const SoftmaxPartial<C> mine = pool_slots(kv, z);
+  if constexpr (kWarps == 1) {
+    static_assert(kMergeWarps == 1);
+    part = mine;
+  } else {
+    struct Exchange {  // one array per field, channel-major: conflict-free for either merge width
+      float max[kWarps][kWarpSize * C];
+      float sum[kWarps][kWarpSize * C];
+      float acc[kWarps][kWarpSize * C];
     };
     __shared__ Exchange buffers[kSlicesInTurn ? 2 : 1];
     Exchange& x = buffers[kSlicesInTurn ? slice % 2 : 0];
     const int lane_id = threadIdx.x % kWarpSize;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      x.max[warp_in_unit][lane_id][c] = part.max[c];
-      x.sum[warp_in_unit][lane_id][c] = part.sum[c];
-      x.acc[warp_in_unit][lane_id][c] = part.acc[c];
+      x.max[warp_in_unit][lane_id * C + c] = mine.max[c];
+      x.sum[warp_in_unit][lane_id * C + c] = mine.sum[c];
+      x.acc[warp_in_unit][lane_id * C + c] = mine.acc[c];
     }
     __syncthreads();
-    if (warp_in_unit != merging_warp<kWarps, kSlicesInTurn>(slice)) return false;
+    if constexpr (kSlicesInTurn) {
+      if (warp_in_unit != merging_warp<kWarps, true>(slice)) return false;
+    } else if (warp_in_unit >= kMergeWarps) {
+      return false;
+    }
+    const int first = merged_channel<kMergeWarps, C>(kSlicesInTurn ? lane_id : warp_in_unit * kWarpSize + lane_id);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      float m = x.max[0][lane_id][c];
+    for (int c = 0; c < M; ++c) {
+      float m = x.max[0][first + c];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) m = fmaxf(m, x.max[w][lane_id][c]);
+      for (int w = 1; w < kWarps; ++w) m = fmaxf(m, x.max[w][first + c]);
       const float shift = softmax_shift(m);
       float sum = 0.0f, acc = 0.0f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float e = softmax_weight(x.max[w][lane_id][c], shift);
-        sum += x.sum[w][lane_id][c] * e;
-        acc += x.acc[w][lane_id][c] * e;
+        const float e = softmax_weight(x.max[w][first + c], shift);
+        sum += x.sum[w][first + c] * e;
+        acc += x.acc[w][first + c] * e;
       }
       part.max[c] = m;
       part.sum[c] = sum;
