@@ -177,30 +177,8 @@ struct Kernels {
     for (int c = 0; c < C; ++c) kv[c] = 0.0f, z[c] = -INFINITY;
   }
 
-  /// How many warps of a unit merge its partials for `Sink`: Sink::kMergeWarps where the sink
-  /// takes the spread layout (merged_lane), else 1 (the first warp, each lane its own C channels).
-  template <typename Sink>
-  static constexpr int merge_warps() {
-    if constexpr (requires { Sink::kMergeWarps; }) {
-      return Sink::kMergeWarps;
-    } else {
-      return 1;
-    }
-  }
-
-  /// Whether `Sink` needs only the threads that hold values in emit() (Sink::kHoldersOnly), so the
-  /// others may leave as soon as the plan row shows they hold none (else every thread of a unit
-  /// reaches emit(): a sink may synchronise its block or cluster there).
-  template <typename Sink>
-  static constexpr bool holders_only() {
-    if constexpr (requires { Sink::kHoldersOnly; }) {
-      return Sink::kHoldersOnly;
-    } else {
-      return false;
-    }
-  }
-
-  /// This thread's channels of the pooled row when kMergeWarps warps merge (pool_unit).
+  /// This thread's channels of the pooled row when kMergeWarps warps merge (pool_unit): those
+  /// of the merging threads; the others hold nothing (their channel is not used).
   template <int kMergeWarps>
   static DSV4_DEV Lane merged_lane(const Lane& lane) {
     Lane at = lane;
@@ -225,7 +203,10 @@ struct Kernels {
   /// Where pooled rows go in compress_forward: row `row` of `out`, in OutT. The pool passes hand
   /// every unit's result to a sink (prepare() once the row is known valid, emit() by every thread
   /// of the unit, `holds` in the threads with the values), so the fused kernel can store them
-  /// instead. c128 spreads the merge over C warps, one channel per thread.
+  /// instead. A sink says how many warps of a unit merge (kMergeWarps: 1, or C for one channel
+  /// per thread, merged_lane) and whether emit() needs only the threads that hold values
+  /// (kHoldersOnly: the others may leave as soon as the plan row shows they hold none). c128
+  /// spreads the merge over C warps here.
   struct OutputRows {
     static constexpr int kMergeWarps = W::kWarpsPerUnit > 1 ? C : 1;
     static constexpr bool kHoldersOnly = true;
@@ -262,7 +243,7 @@ struct Kernels {
     float kv[kSlots][C], z[kSlots][C];
     load_window<kSlots>(p, src, lane, bias, kv, z);
     pdl_launch_dependents<kPDL>();
-    constexpr int M = merge_warps<Sink>();
+    constexpr int M = Sink::kMergeWarps;
     float v[C / M];
     const bool holds = reduce_unit<M>(lane, kv, z, v);
     sink.emit(merged_lane<M>(lane), holds, v);
@@ -331,10 +312,10 @@ struct Kernels {
     // masks equal the remainders for write_loc >= 0, the only rows that go on.
     const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : (plan.write_loc & (kRatio - 1)) == kRatio - 1;
     const bool pooled = boundary && pages_in_range(p, plan.read_page_0, plan.read_page_1);
-    constexpr int M = merge_warps<Sink>();
+    constexpr int M = Sink::kMergeWarps;
     // Off boundary most of a c128 unit's warps have nothing to do: they leave at once rather than
     // hold the block's slot through the others' stores (the block's life is the plan round trip).
-    if (holders_only<Sink>() && !pooled && !last_warp && lane.warp_in_unit >= M) return;
+    if (Sink::kHoldersOnly && !pooled && !last_warp && lane.warp_in_unit >= M) return;
     if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, kWriteLocOutOfRange);
       return;

@@ -70,7 +70,11 @@ struct StoreStep {
   };
 
   /// The sink the pool passes hand pooled rows to: every unit stores its own slice of the row.
+  /// One warp of a unit holds its pooled values (a lane's C channels, the store layout), and
+  /// every thread reaches emit(): the row's warps or blocks exchange partials there.
   struct Sink {
+    static constexpr int kMergeWarps = 1;
+    static constexpr bool kHoldersOnly = false;
     const store::Params& p;
     Shared& sh;
     int64_t loc = 0, position = 0;
