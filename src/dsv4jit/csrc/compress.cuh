@@ -298,8 +298,8 @@ struct Kernels {
 
   /// Decode: write the current token; at a boundary pool the whole window from the ring (the
   /// last slot straight from registers: same values the ring now holds); else zero the output.
-  /// Two dependent round trips: the plan row, with the token beside it; then the token store, the
-  /// ape rows and every window slot at once. The pooling comes after all of them.
+  /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and every
+  /// window slot at once, the token store behind them. The pooling comes after all of them.
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
     pdl_wait_upstream<kPDL>();
@@ -321,9 +321,9 @@ struct Kernels {
       return;
     }
     sink.prepare(lane);
-    // The token store first: no load below may move above it (they might alias), so it waits for
-    // nothing but the plan row and the token, and an off-boundary row is done one round trip in.
-    if (last_warp) store_state_row(p, token, plan.write_loc, lane.channel);
+    // No load may move above a store (they might alias). Off boundary nothing is loaded, so the token
+    // store goes at once; at a boundary it goes after the window loads, which then all leave together.
+    if (last_warp && !pooled) store_state_row(p, token, plan.write_loc, lane.channel);
     float kv[kSlots][C], z[kSlots][C];
     if (pooled) {
       const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
@@ -339,6 +339,7 @@ struct Kernels {
       } else {
         load_window<kSlots>(p, src, lane, bias, kv, z);
       }
+      if (last_warp) store_state_row(p, token, plan.write_loc, lane.channel);
     }
     pdl_launch_dependents<kPDL>();
     float v[C / M];
