@@ -8,7 +8,7 @@ in decode, ``seq_lens`` (int32); the optional ``extra`` tensor selects the 4-ali
 ``{ragged_id, batch_id, position, window_len}`` (``dsv4jit.reference.compat.encode_legacy_plan``)
 and the output is indexed by ragged id. See ``dsv4jit.reference.compat`` for the exact semantics.
 
-CUDA tensors run the kernels (csrc/compat_c4.cuh, built on the main c4 kernel's device code); all-CPU
+CUDA tensors run the kernels (csrc/compat/compat_c4.cuh, built on the main c4 kernel's device code); all-CPU
 tensors run the torch reference; a CPU/CUDA mix raises TypeError naming the argument on the CPU.
 head_dim (128 or 512) is ``kv_compressed_output.shape[1]``. Differences from the older kernel: the
 state may be bf16 while the input is fp32 (inputs and outputs fp32, bf16 or fp16), decode rows off a

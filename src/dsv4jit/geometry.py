@@ -3,7 +3,7 @@ row widths, and the store formats with their byte layout (contract §1.2, contra
 contract §6.5 and the format sections after it).
 
 The ops, the references, warmup and the benchmarks read these; the kernels hold the same numbers
-as template constants (``compress.cuh``'s ``Window``, ``store.cuh``'s ``Layout``). Pure Python:
+as template constants (``compress/ring.cuh``'s ``Window``, ``store/store.cuh``'s ``Layout``). Pure Python:
 importing it costs nothing.
 """
 

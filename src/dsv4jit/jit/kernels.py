@@ -18,7 +18,7 @@ SELFTEST = KernelSpec(
 
 PLAN = KernelSpec(
     name="plan",
-    header="plan.cuh",
+    header="planner/plan.cuh",
     params=(PDL,),
     exports={"prefill_device": "dsv4::plan::Planner<{pdl}>::prefill_device",
              "prefill_host_lengths": "dsv4::plan::Planner<{pdl}>::prefill_host_lengths",
@@ -35,7 +35,7 @@ PLAN = KernelSpec(
 
 PLAN_HOST = KernelSpec(
     name="plan_host",
-    header="plan_host.h",
+    header="planner/host.h",
     params=(),
     exports={"prefill": "dsv4::plan::HostPlanner::prefill", "decode": "dsv4::plan::HostPlanner::decode",
              "prefill_counts": "dsv4::plan::prefill_counts",
@@ -54,7 +54,7 @@ def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, .
     entry = "dsv4::compress::Compress<%d, {head_dim}, {state}, {input}, {output}, {pdl}>" % ratio
     return KernelSpec(
         name=f"compress_c{ratio}",
-        header="compress.cuh",
+        header="compress/ring.cuh",
         params=(Param("head_dim", "int", head_dims), Param("state", "dtype", ("fp32", "bf16")),
                 Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
         exports={"prefill": entry + "::prefill", "decode": entry + "::decode",
@@ -74,7 +74,7 @@ STORE_FORMAT = Param("format", "enum", STORE_FORMATS, _FORMAT_CPP)
 V4_FORMAT = Param("format", "enum", STORE_FORMATS[:2], _FORMAT_CPP[:2])  # the latent formats (head_dim 512)
 STORE = KernelSpec(
     name="store",
-    header="store.cuh",
+    header="store/store.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run",
              "fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents",
@@ -87,7 +87,7 @@ STORE = KernelSpec(
 _FUSED_ENTRY = "dsv4::fused::CompressAndStore<{ratio}, {state}, {input}, {format}, {pdl}>"
 FUSED = KernelSpec(
     name="fused",
-    header="fused.cuh",
+    header="fused/fused.cuh",
     params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _FUSED_ENTRY + "::prefill", "decode": _FUSED_ENTRY + "::decode",
@@ -107,7 +107,7 @@ FUSED = KernelSpec(
 _COMPAT_ENTRY = "dsv4::compat::CompatC4<{head_dim}, {state}, {input}, {output}, {pdl}>"
 COMPAT_C4 = KernelSpec(
     name="compat_c4",
-    header="compat_c4.cuh",
+    header="compat/compat_c4.cuh",
     params=(Param("head_dim", "int", (128, 512)), Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
     exports={"decode": _COMPAT_ENTRY + "::decode", "prefill": _COMPAT_ENTRY + "::prefill",
@@ -120,7 +120,7 @@ COMPAT_C4 = KernelSpec(
 _ONLINE_ENTRY = "dsv4::online::Online<{head_dim}, {state}, {pdl}>"
 COMPRESS_ONLINE = KernelSpec(
     name="compress_online",
-    header="online.cuh",
+    header="compress/online.cuh",
     params=(Param("head_dim", "int", (128, 256, 512)), Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _ONLINE_ENTRY + "::prefill", "decode": _ONLINE_ENTRY + "::decode",
              "describe_status": "dsv4::online::describe_status"},
@@ -131,7 +131,7 @@ COMPRESS_ONLINE = KernelSpec(
 _FUSED_ONLINE_ENTRY = "dsv4::fused::OnlineCompressAndStore<{state}, {format}, {pdl}>"
 FUSED_ONLINE = KernelSpec(
     name="fused_online",
-    header="fused.cuh",
+    header="fused/fused.cuh",
     params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _FUSED_ONLINE_ENTRY + "::prefill", "decode": _FUSED_ONLINE_ENTRY + "::decode",
              "prefill_two_step": _FUSED_ONLINE_ENTRY + "::prefill_two_step",

@@ -1,5 +1,5 @@
 """``compress_forward``: the ring compressors, c4 and c128 (contract §4). CUDA tensors run
-csrc/compress.cuh, CPU tensors reference/compress.py; ``is_online=True`` hands the call to the online
+csrc/compress/ring.cuh, CPU tensors reference/compress.py; ``is_online=True`` hands the call to the online
 compressor (ops/online.py)."""
 
 from __future__ import annotations

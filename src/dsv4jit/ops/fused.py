@@ -1,5 +1,5 @@
 """``compress_and_store``: a compressor and the store step in one op, the pooled rows going from
-registers to the cache (csrc/fused.cuh; contract §6.11), or the two steps from one entry point where
+registers to the cache (csrc/fused/fused.cuh; contract §6.11), or the two steps from one entry point where
 those measured faster (runs_fused). The ring compressors (``fused``) and, with ``is_online=True``, the
 online c128 one (``fused_online``); CPU tensors run the two steps' references, the store's arguments
 checked before the first write."""

@@ -3,7 +3,7 @@
 Each request keeps one running softmax state row (m | s | k, ``3·head_dim`` values, fp32 or bf16)
 instead of a 128-row ring; plans come from ``CompressorPrefillPlan.generate_online`` /
 ``CompressorDecodePlan.generate_online``. Input, ape and output are fp32. CUDA tensors run
-csrc/online.cuh, CPU tensors reference/online.py. Fused with the store step: ops/fused.py.
+csrc/compress/online.cuh, CPU tensors reference/online.py. Fused with the store step: ops/fused.py.
 """
 
 from __future__ import annotations

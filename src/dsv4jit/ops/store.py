@@ -1,5 +1,5 @@
 """``compress_norm_rope_store``: RMSNorm, RoPE (+ Hadamard for the indexer), quantize and store the
-compressed rows in the paged cache (contract §6). CUDA tensors run csrc/store.cuh, CPU tensors
+compressed rows in the paged cache (contract §6). CUDA tensors run csrc/store/store.cuh, CPU tensors
 reference/store.py."""
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 // Same arithmetic as compress_forward (output dtype = input dtype) followed by
 // compress_norm_rope_store: the caches and states are byte-identical to the two-step path.
 //
-// A pooled row is spread over the units of its channel slices (compress.cuh, online.cuh), and
+// A pooled row is spread over the units of its channel slices (compress/ring.cuh, compress/online.cuh), and
 // each unit stores its own slice; the units of a row share only the chunk partials of the row's
-// sum of squares (store.cuh's canonical order, 32 x chunks values):
+// sum of squares (store/store.cuh's canonical order, 32 x chunks values):
 //   one-warp units (c4, online decode): a warp holds one 128-channel chunk of the store layout
 //             (lane l: channels 128k + 4l..); the row's warps (4 for hd512, 1 for hd128) share
 //             partials through shared memory
@@ -28,9 +28,9 @@
 
 #include "common/async_copy.cuh"
 #include "common/cluster.cuh"
-#include "compress.cuh"
-#include "online.cuh"
-#include "store.cuh"
+#include "compress/ring.cuh"
+#include "compress/online.cuh"
+#include "store/store.cuh"
 
 namespace dsv4::fused {
 
@@ -208,7 +208,7 @@ DSV4_DEV void pool_slices_in_turn(Sink& sink, PoolSlice pool_slice) {
   for (int slice = 0; slice < Lane::kSlices; ++slice) pool_slice(Lane::of_slice(slice), gather);
 }
 
-/// The ring compressor's passes (compress.cuh): c4 and c128, prefill pool or decode. A c128 row
+/// The ring compressor's passes (compress/ring.cuh): c4 and c128, prefill pool or decode. A c128 row
 /// spans 8 slice units: a cluster of 8 blocks.
 template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode>
 struct RingPass {
@@ -250,7 +250,7 @@ struct PoolLaunch {
   }
 };
 
-/// The online c128 compressor's passes (online.cuh), head_dim 512: prefill pool or decode. A
+/// The online c128 compressor's passes (compress/online.cuh), head_dim 512: prefill pool or decode. A
 /// prefill segment row spans 8 slice units, which one block pools in turn (a cluster of 8 blocks
 /// per row pays only where the two steps are faster still: ops/fused.py).
 template <typename BufferT, store::Format F, bool kPDL, bool kDecode>

@@ -9,8 +9,8 @@
 
 #include <vector>
 
-#include "plan_args.h"
-#include "plan_online.h"
+#include "args.h"
+#include "online.h"
 
 namespace dsv4::plan {
 

@@ -2,8 +2,8 @@
 // parameters of a prefill or decode call, shared by the ring and the online compressors.
 #pragma once
 
-#include "plan_structs.h"
-#include "tensor_check.h"
+#include "common/plan_structs.h"
+#include "common/tensor_check.h"
 
 namespace dsv4 {
 

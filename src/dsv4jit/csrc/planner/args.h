@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/tensor_check.h"
-#include "plan_rules.h"
+#include "rules.h"
 
 namespace dsv4::plan {
 

@@ -1,6 +1,6 @@
 // The planner on the GPU (contract §3): prefill plans from device-resident lengths (CUDA-graph
 // capturable, no host sync) or host-resident lengths, and decode plans. One kernel emits final
-// rows in CPU order; see plan_rules.h for why that needs no atomics.
+// rows in CPU order; see planner/rules.h for why that needs no atomics.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -14,8 +14,8 @@
 #include "common/pdl.cuh"
 #include "common/scan.cuh"
 #include "common/types.cuh"
-#include "plan_args.h"
-#include "plan_online.h"
+#include "args.h"
+#include "online.h"
 
 namespace dsv4::plan {
 

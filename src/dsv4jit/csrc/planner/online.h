@@ -1,11 +1,11 @@
 // Argument handling of the online c128 planner (contract §3.8), shared by its GPU entry points and the
-// host-only planner. The rules themselves live in plan_rules.h (Scheme::kOnline): segment rows are
+// host-only planner. The rules themselves live in planner/rules.h (Scheme::kOnline): segment rows are
 // emitted by the same per-token machinery as the ring planners. Host-only: no CUDA headers.
 #pragma once
 
 #include <string>
 
-#include "plan_args.h"
+#include "args.h"
 
 namespace dsv4::plan {
 

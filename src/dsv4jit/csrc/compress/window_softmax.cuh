@@ -6,8 +6,8 @@
 
 #include <cmath>
 
-#include "types.cuh"
-#include "warp.cuh"
+#include "common/types.cuh"
+#include "common/warp.cuh"
 
 namespace dsv4 {
 

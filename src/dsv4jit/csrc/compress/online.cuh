@@ -13,7 +13,7 @@
 //            pass (plan_c, emits output rows) reads stored states before the write pass (plan_w)
 //            replaces them.
 // Emitted rows go to a sink (prepare() once the row is known valid, emit() by every thread of the
-// unit): the output rows here, the store step in the fused kernel (fused.cuh).
+// unit): the output rows here, the store step in the fused kernel (fused/fused.cuh).
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -22,15 +22,15 @@
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
-#include "common/plan_check.h"
+#include "checked_plans.h"
 #include "common/plan_structs.h"
 #include "common/status_text.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
-#include "common/unit_lane.cuh"
+#include "unit_lane.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
-#include "common/window_softmax.cuh"
+#include "window_softmax.cuh"
 
 namespace dsv4::online {
 

@@ -2,8 +2,8 @@
 // one block; lane l of a unit holds the C channels from (slice·32 + l)·C.
 #pragma once
 
-#include "types.cuh"
-#include "warp.cuh"
+#include "common/types.cuh"
+#include "common/warp.cuh"
 
 namespace dsv4 {
 

@@ -18,15 +18,15 @@
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
-#include "common/plan_check.h"
+#include "checked_plans.h"
 #include "common/plan_structs.h"
 #include "common/status_text.h"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
-#include "common/unit_lane.cuh"
+#include "unit_lane.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
-#include "common/window_softmax.cuh"
+#include "window_softmax.cuh"
 
 namespace dsv4::compress {
 

@@ -18,7 +18,7 @@
 #pragma once
 
 #include "common/status_text.h"
-#include "compress.cuh"
+#include "compress/ring.cuh"
 
 namespace dsv4::compat {
 
