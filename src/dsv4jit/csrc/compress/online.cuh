@@ -24,7 +24,7 @@
 #include "common/pdl.cuh"
 #include "checked_plans.h"
 #include "common/plan_structs.h"
-#include "common/status_text.h"
+#include "common/status.cuh"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
 #include "unit_lane.cuh"
@@ -74,10 +74,6 @@ struct Kernels {
   /// Per-thread coordinates of a unit covering 32·C channels.
   template <int C>
   using Lane = UnitLane<C, kHeadDim / (kWarpSize * C)>;
-
-  static DSV4_DEV void report(const Params& p, int32_t bit) {
-    if (p.status != nullptr) atomicOr(p.status, bit);
-  }
 
   static DSV4_DEV bool state_row_ok(const Params& p, int32_t row) { return row >= 0 && row < p.num_state_rows; }
 
@@ -175,7 +171,7 @@ struct Kernels {
         store_state(p, plan.write_loc, lane.channel, state);
       }
     } else if (lane.channel == 0) {
-      report(p, kStateRowOutOfRange);
+      report_status(p.status, kStateRowOutOfRange);
     }
     sink.emit(lane, true, out);
   }
@@ -218,7 +214,7 @@ struct Kernels {
       bad |= kStateRowOutOfRange;
     }
     if (bad) {
-      if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, bad);
+      if (lane.leads_row()) report_status(p.status, bad);
       return;
     }
     if constexpr (!kStore) sink.prepare(lane);

@@ -20,7 +20,7 @@
 #include "common/pdl.cuh"
 #include "checked_plans.h"
 #include "common/plan_structs.h"
-#include "common/status_text.h"
+#include "common/status.cuh"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
 #include "unit_lane.cuh"
@@ -114,10 +114,6 @@ struct Kernels {
   /// Per-thread coordinates: which unit, which slots (warp_in_unit), which channels.
   using Lane = UnitLane<C, W::kSlices>;
   using Bias = Vec<InT, C>[kSlots];
-
-  static DSV4_DEV void report(const Params& p, int32_t bit) {
-    if (p.status != nullptr) atomicOr(p.status, bit);
-  }
 
   static DSV4_DEV int first_slot(const Lane& lane) { return lane.warp_in_unit * kSlots; }
 
@@ -236,7 +232,7 @@ struct Kernels {
     const bool pages_ok = plan.buffer_len == 0 || pages_in_range(p, plan.read_page_0, plan.read_page_1);
     const bool ragged_ok = src.first_ragged + plan.buffer_len >= 0 && plan.ragged_id < p.num_input_rows;
     if (!pages_ok || !ragged_ok) {
-      if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange);
+      if (lane.leads_row()) report_status(p.status, pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange);
       return;
     }
     sink.prepare(lane);
@@ -266,7 +262,8 @@ struct Kernels {
     const WritePlan w = p.plan_w[lane.row];
     if (w.is_invalid()) return;
     if (w.ragged_id >= p.num_input_rows || w.write_loc < 0 || w.write_loc >= p.num_pages * kRatio) {
-      if (lane.channel == 0) report(p, w.ragged_id >= p.num_input_rows ? kRaggedRowOutOfRange : kWriteLocOutOfRange);
+      const int32_t bad = w.ragged_id >= p.num_input_rows ? kRaggedRowOutOfRange : kWriteLocOutOfRange;
+      if (lane.leads_row()) report_status(p.status, bad);
       return;
     }
     Vec<InT, C> token[W::kGroups];
@@ -317,7 +314,7 @@ struct Kernels {
     // hold the block's slot through the others' stores (the block's life is the plan round trip).
     if (Sink::kHoldersOnly && !pooled && !last_warp && lane.warp_in_unit >= M) return;
     if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
-      if (lane.channel == 0 && lane.warp_in_unit == 0) report(p, kWriteLocOutOfRange);
+      if (lane.leads_row()) report_status(p.status, kWriteLocOutOfRange);
       return;
     }
     sink.prepare(lane);
@@ -347,7 +344,7 @@ struct Kernels {
     if (pooled) {
       holds = reduce_unit<M>(lane, kv, z, v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
-      if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report(p, kStatePageOutOfRange);
+      if (boundary && lane.leads_row()) report_status(p.status, kStatePageOutOfRange);
 #pragma unroll
       for (int c = 0; c < C / M; ++c) v[c] = 0.0f;
       holds = lane.warp_in_unit < M;

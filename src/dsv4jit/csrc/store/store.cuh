@@ -21,7 +21,7 @@
 #include "common/pdl.cuh"
 #include "common/plan_structs.h"
 #include "common/quant.cuh"
-#include "common/status_text.h"
+#include "common/status.cuh"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
 #include "common/vec.cuh"
@@ -152,8 +152,9 @@ struct Kernel {
   /// Whether group g of some lane holds rope dims.
   static constexpr bool may_rope(int g) { return vlane(kLanes - 1, g) >= kRopeLane; }
 
+  /// A row's violations are reported by its first lane.
   static DSV4_DEV void report(const Params& p, int32_t bit) {
-    if (p.status != nullptr && threadIdx.x % kLanes == 0) atomicOr(p.status, bit);
+    if (threadIdx.x % kLanes == 0) report_status(p.status, bit);
   }
 
   static DSV4_DEV int64_t load_loc(const Params& p, int64_t i) {

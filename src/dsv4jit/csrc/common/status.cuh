@@ -1,0 +1,17 @@
+// Checked mode's status word: kernels OR the bits of the violations they skip into one int32 word
+// (report_status), and the host turns a word into the family's text (status_text.h). Unchecked
+// calls pass no word (nullptr) and report nothing.
+#pragma once
+
+#include <cstdint>
+
+#include "macros.h"
+#include "status_text.h"
+
+namespace dsv4 {
+
+DSV4_DEV void report_status(int32_t* status, int32_t bit) {
+  if (status != nullptr) atomicOr(status, bit);
+}
+
+}  // namespace dsv4
