@@ -10,8 +10,10 @@
 
 namespace dsv4 {
 
-DSV4_DEV void report_status(int32_t* status, int32_t bit) {
-  if (status != nullptr) atomicOr(status, bit);
+/// ORs `bit` into the word of a family's parameters `p` (p.status), if the call is checked.
+template <typename Params>
+DSV4_DEV void report_status(const Params& p, int32_t bit) {
+  if (p.status != nullptr) atomicOr(p.status, bit);
 }
 
 }  // namespace dsv4

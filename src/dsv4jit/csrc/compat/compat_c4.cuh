@@ -96,7 +96,7 @@ struct Kernels {
   static DSV4_DEV bool page_ok(const Params& p, int64_t page) { return page >= 0 && page < p.base.num_pages; }
 
   static DSV4_DEV void report(const Params& p, const Lane& lane, int32_t bit) {
-    if (lane.channel == 0) report_status(p.base.status, bit);
+    if (lane.channel == 0) report_status(p.base, bit);
   }
 
   /// Pools the window closing at seq_len into output row out_row: slots below buffer_len from the

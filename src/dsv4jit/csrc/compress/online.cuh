@@ -22,14 +22,16 @@
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
-#include "checked_plans.h"
 #include "common/plan_structs.h"
 #include "common/status.cuh"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
-#include "unit_lane.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
+
+#include "host_entry.h"
+#include "output_rows.cuh"
+#include "unit_lane.cuh"
 #include "window_softmax.cuh"
 
 namespace dsv4::online {
@@ -107,20 +109,7 @@ struct Kernels {
     store_vec(dst + 2 * kHeadDim, k);
   }
 
-  /// Where emitted rows go in compress_forward: row `lane.row` of `out`.
-  struct OutputRows {
-    const Params& p;
-    template <typename Lane>
-    DSV4_DEV void prepare(const Lane&) {}
-    template <typename Lane, int C>
-    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
-      if (!holds) return;
-      Vec<float, C> out;
-#pragma unroll
-      for (int c = 0; c < C; ++c) out[c] = v[c];
-      store_vec(p.out + uint64_t{lane.row} * kHeadDim + lane.channel, out);
-    }
-  };
+  using OutputRows = dsv4::OutputRows<Params, float, kHeadDim>;  // compress_forward's
 
   /// kv and z = score + ape[offset] of one input token.
   template <int C>
@@ -171,7 +160,7 @@ struct Kernels {
         store_state(p, plan.write_loc, lane.channel, state);
       }
     } else if (lane.channel == 0) {
-      report_status(p.status, kStateRowOutOfRange);
+      report_status(p, kStateRowOutOfRange);
     }
     sink.emit(lane, true, out);
   }
@@ -214,7 +203,7 @@ struct Kernels {
       bad |= kStateRowOutOfRange;
     }
     if (bad) {
-      if (lane.leads_row()) report_status(p.status, bad);
+      if (lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, bad);
       return;
     }
     if constexpr (!kStore) sink.prepare(lane);
@@ -264,7 +253,7 @@ __global__ __launch_bounds__(K::kPrefillThreads, K::kPrefillMinBlocks) void pref
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kHeadDim, typename BufferT, bool kPDL>
-struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
+struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
   using K = Kernels<kHeadDim, BufferT, kPDL>;
   static constexpr const char* kOp = "compress_forward";
   static constexpr int kPrefillSlices = K::PrefillLane::kSlices;
@@ -281,10 +270,7 @@ struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
         .aligned();
     Check(op, "ape", ape).shape({kChunk, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
     Params p{};
-    if (out != nullptr) {
-      Check(op, "out", *out).shape({out_rows, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
-      p.out = static_cast<float*>(out->data_ptr());
-    }
+    p.out = static_cast<float*>(Online::template output<float>(op, dev, out, kHeadDim, out_rows));
     p.state = state.data_ptr();
     p.input = static_cast<const float*>(input.data_ptr());
     p.ape = static_cast<const float*>(ape.data_ptr());
@@ -298,41 +284,18 @@ struct Online : CheckedPlans<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
     return div_ceil(uint64_t{rows} * K::DecodeLane::kSlices, K::kDecodeUnitsPerBlock);
   }
 
-  /// The write pass over plan_w (after the pool pass, in stream order).
-  static void launch_write(const char* op, const Device& dev, Params p, int64_t rows_w) {
-    p.after_pool = p.num_rows > 0;  // else no launch: the write pass follows whatever came before
-    p.plan = p.plan_w;
-    p.num_rows = static_cast<uint32_t>(rows_w);
-    launch(op, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, true>, p);
-  }
-
-  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
-                      TensorView plan_w, TensorView out, Optional<TensorView> status) {
-    Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Device dev;
-    Params p = Online::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr,
-                                      rows_c, rows_w);
-    p.status = status_words(kOp, dev, status);
-    launch_prefill(kOp, dev, p, rows_w.value);
-  }
-
-  /// The pool pass, then the write pass over `rows_w` plan_w rows, of checked parameters.
-  static void launch_prefill(const char* op, const Device& dev, const Params& p, int64_t rows_w) {
+  static void launch_pool(const char* op, const Device& dev, const Params& p) {
     launch(op, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, false>, p);
-    launch_write(op, dev, p, rows_w);
+  }
+
+  /// The write pass reads its segment rows from plan_w.
+  static void launch_write(const char* op, const Device& dev, Params p) {
+    p.plan = p.plan_w;
+    launch(op, dev.dev, {p.num_rows * kPrefillSlices, K::kPrefillThreads}, kPDL, prefill_kernel<K, true>, p);
   }
 
   static void launch_decode(const char* op, const Device& dev, const Params& p) {
     launch(op, dev.dev, {decode_blocks(p.num_rows), K::kDecodeThreads}, kPDL, decode_kernel<K>, p);
-  }
-
-  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
-                     TensorView out, Optional<TensorView> status) {
-    Size batch{"batch_size"};
-    Device dev;
-    Params p = Online::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
-    p.status = status_words(kOp, dev, status);
-    launch_decode(kOp, dev, p);
   }
 };
 

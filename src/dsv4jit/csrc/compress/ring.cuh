@@ -18,14 +18,16 @@
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
-#include "checked_plans.h"
 #include "common/plan_structs.h"
 #include "common/status.cuh"
 #include "common/tensor_check.h"
 #include "common/types.cuh"
-#include "unit_lane.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
+
+#include "host_entry.h"
+#include "output_rows.cuh"
+#include "unit_lane.cuh"
 #include "window_softmax.cuh"
 
 namespace dsv4::compress {
@@ -196,27 +198,9 @@ struct Kernels {
     return true;
   }
 
-  /// Where pooled rows go in compress_forward: row `row` of `out`, in OutT. The pool passes hand
-  /// every unit's result to a sink (prepare() once the row is known valid, emit() by every thread
-  /// of the unit, `holds` in the threads with the values), so the fused kernel can store them
-  /// instead. A sink says how many warps of a unit merge (kMergeWarps: 1, or C for one channel
-  /// per thread, merged_lane) and whether emit() needs only the threads that hold values
-  /// (kHoldersOnly: the others may leave as soon as the plan row shows they hold none). c128
-  /// spreads the merge over C warps here.
-  struct OutputRows {
-    static constexpr int kMergeWarps = W::kWarpsPerUnit > 1 ? C : 1;
-    static constexpr bool kHoldersOnly = true;
-    const Params& p;
-    DSV4_DEV void prepare(const Lane&) {}
-    template <int N>
-    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[N]) {
-      if (!holds) return;
-      Vec<OutT, N> out;
-#pragma unroll
-      for (int c = 0; c < N; ++c) out[c] = from_f32<OutT>(v[c]);
-      store_vec(static_cast<OutT*>(p.out) + uint64_t{lane.row} * kHeadDim + lane.channel, out);
-    }
-  };
+  /// compress_forward's output rows; c128 spreads the merge over C warps there (the fused kernels
+  /// keep one merging warp).
+  using OutputRows = dsv4::OutputRows<Params, OutT, kHeadDim, (W::kWarpsPerUnit > 1 ? C : 1)>;
 
   /// Prefill pool pass: one unit per (plan_c row, slice); invalid rows leave their output untouched.
   template <typename Sink>
@@ -232,7 +216,8 @@ struct Kernels {
     const bool pages_ok = plan.buffer_len == 0 || pages_in_range(p, plan.read_page_0, plan.read_page_1);
     const bool ragged_ok = src.first_ragged + plan.buffer_len >= 0 && plan.ragged_id < p.num_input_rows;
     if (!pages_ok || !ragged_ok) {
-      if (lane.leads_row()) report_status(p.status, pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange);
+      const int32_t bad = pages_ok ? kRaggedRowOutOfRange : kStatePageOutOfRange;
+      if (lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, bad);
       return;
     }
     sink.prepare(lane);
@@ -262,8 +247,7 @@ struct Kernels {
     const WritePlan w = p.plan_w[lane.row];
     if (w.is_invalid()) return;
     if (w.ragged_id >= p.num_input_rows || w.write_loc < 0 || w.write_loc >= p.num_pages * kRatio) {
-      const int32_t bad = w.ragged_id >= p.num_input_rows ? kRaggedRowOutOfRange : kWriteLocOutOfRange;
-      if (lane.leads_row()) report_status(p.status, bad);
+      if (lane.channel == 0) report_status(p, w.ragged_id >= p.num_input_rows ? kRaggedRowOutOfRange : kWriteLocOutOfRange);
       return;
     }
     Vec<InT, C> token[W::kGroups];
@@ -314,7 +298,7 @@ struct Kernels {
     // hold the block's slot through the others' stores (the block's life is the plan round trip).
     if (Sink::kHoldersOnly && !pooled && !last_warp && lane.warp_in_unit >= M) return;
     if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
-      if (lane.leads_row()) report_status(p.status, kWriteLocOutOfRange);
+      if (lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kWriteLocOutOfRange);
       return;
     }
     sink.prepare(lane);
@@ -344,7 +328,7 @@ struct Kernels {
     if (pooled) {
       holds = reduce_unit<M>(lane, kv, z, v);
     } else {  // non-boundary rows are zero-filled, never left uninitialised
-      if (boundary && lane.leads_row()) report_status(p.status, kStatePageOutOfRange);
+      if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kStatePageOutOfRange);
 #pragma unroll
       for (int c = 0; c < C / M; ++c) v[c] = 0.0f;
       holds = lane.warp_in_unit < M;
@@ -372,7 +356,7 @@ __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(cons
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
-struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>, WritePlan> {
+struct Compress : CompressorEntry<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>, WritePlan> {
   using K = Kernels<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>;
   using W = typename K::W;
   static constexpr const char* kOp = "compress_forward";
@@ -389,11 +373,7 @@ struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kP
     Check(op, "kv_score_input", input).shape({input_rows, W::kRowWidth}).dtype(DTypeInfo<InT>::dtype).cuda(dev)
         .contiguous().aligned();
     Check(op, "ape", ape).shape({W::kSlots, kHeadDim}).dtype(DTypeInfo<InT>::dtype).cuda(dev).contiguous().aligned();
-    if (out != nullptr) {
-      Check(op, "out", *out).shape({out_rows, kHeadDim}).dtype(DTypeInfo<OutT>::dtype).cuda(dev).contiguous()
-          .aligned();
-      p.out = out->data_ptr();
-    }
+    p.out = Compress::template output<OutT>(op, dev, out, kHeadDim, out_rows);
     p.state = state.data_ptr();
     p.input = input.data_ptr();
     p.ape = ape.data_ptr();
@@ -405,41 +385,16 @@ struct Compress : CheckedPlans<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kP
 
   static unsigned blocks(uint64_t rows, int units_per_block) { return div_ceil(rows * W::kSlices, units_per_block); }
 
-  /// The write pass over `rows_w` plan_w rows (after the pool pass over p.num_rows rows, in stream
-  /// order).
-  static void launch_write(const char* op, const Device& dev, Params p, int64_t rows_w) {
-    p.after_pool = p.num_rows > 0;  // else no launch: the write pass follows whatever came before
-    p.num_rows = static_cast<uint32_t>(rows_w);
-    launch(op, dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
-  }
-
-  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
-                      TensorView plan_w, TensorView out, Optional<TensorView> status) {
-    Device dev;
-    Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    Params p = Compress::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out,
-                                        nullptr, rows_c, rows_w);
-    p.status = status_words(kOp, dev, status);
-    launch_prefill(kOp, dev, p, rows_w.value);
-  }
-
-  /// The pool pass, then the write pass over `rows_w` plan_w rows, of checked parameters.
-  static void launch_prefill(const char* op, const Device& dev, const Params& p, int64_t rows_w) {
+  static void launch_pool(const char* op, const Device& dev, const Params& p) {
     launch(op, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, prefill_pool_kernel<K>, p);
-    launch_write(op, dev, p, rows_w);
+  }
+
+  static void launch_write(const char* op, const Device& dev, const Params& p) {
+    launch(op, dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
   }
 
   static void launch_decode(const char* op, const Device& dev, const Params& p) {
     launch(op, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
-  }
-
-  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
-                     TensorView out, Optional<TensorView> status) {
-    Device dev;
-    Size batch{"batch_size"};
-    Params p = Compress::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
-    p.status = status_words(kOp, dev, status);
-    launch_decode(kOp, dev, p);
   }
 };
 

@@ -14,10 +14,6 @@ struct UnitLane {
   int warp_in_unit;
   int channel;  // first of this lane's C channels
 
-  /// The row's first thread (lane 0 of its first slice's first warp): it reports the row's
-  /// violations in checked mode.
-  DSV4_DEV bool leads_row() const { return channel == 0 && warp_in_unit == 0; }
-
   /// Units of `warps_per_unit` warps, `units_per_block` to a block, numbered over (row, slice).
   DSV4_DEV static UnitLane of(int units_per_block, int warps_per_unit) {
     const int warp = threadIdx.x / kWarpSize;

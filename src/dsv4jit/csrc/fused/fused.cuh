@@ -339,7 +339,7 @@ struct Entry {
     const auto p = prefill_params(dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr,
                                   norm_weight, freq, out_loc, kvcache, status, page_size, eps, num_q_tokens);
     PrefillPass::run(kOp, dev.dev, kPDL, p);
-    Compressor::launch_write(kOp, dev, p.c, rows_w.value);
+    Compressor::launch_write(kOp, dev, Compressor::write_pass(p.c, rows_w.value));
   }
 
   static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,

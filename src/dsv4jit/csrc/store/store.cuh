@@ -154,7 +154,7 @@ struct Kernel {
 
   /// A row's violations are reported by its first lane.
   static DSV4_DEV void report(const Params& p, int32_t bit) {
-    if (threadIdx.x % kLanes == 0) report_status(p.status, bit);
+    if (threadIdx.x % kLanes == 0) report_status(p, bit);
   }
 
   static DSV4_DEV int64_t load_loc(const Params& p, int64_t i) {
