@@ -258,8 +258,8 @@ struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
   static constexpr const char* kOp = "compress_forward";
   static constexpr int kPrefillSlices = K::PrefillLane::kSlices;
 
-  /// Checks the state, input and ape tensors (and `out`, when the call has one) and fills the
-  /// parameters they determine; `input_rows` and `out_rows` bind the row counts.
+  /// CompressorEntry's checks of the state rows [rows, 1, 3·hd], fp32 input and ape (and `out`);
+  /// `input_rows` and `out_rows` bind the row counts.
   static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
                        const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
                        Size& out_rows) {

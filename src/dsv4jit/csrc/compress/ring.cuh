@@ -60,8 +60,8 @@ struct Window {
   static constexpr int kWarpsPerUnit = kSlots / kSlotsPerWarp;
   // c4: a warp holds all 8 slots of a row's 128-channel slice (16-byte lanes). c128: 16 warps
   // split the window, so 8-byte lanes keep each thread at 64 registers and two units per SM
-  // resident: one unit's merge and store overlap the other's loads (measured +14-16 points of
-  // copy bandwidth over 16-byte lanes at one unit per SM).
+  // resident: one unit's merge and store overlap the other's loads (measured faster than 16-byte
+  // lanes at one unit per SM: docs/performance.md).
   static constexpr int kLaneChannels = kOverlap ? 4 : 2;
   static constexpr int kUnitChannels = kWarpSize * kLaneChannels;
   static constexpr int kSlices = kHeadDim / kUnitChannels;
@@ -361,8 +361,8 @@ struct Compress : CompressorEntry<Compress<kRatio, kHeadDim, BufferT, InT, OutT,
   using W = typename K::W;
   static constexpr const char* kOp = "compress_forward";
 
-  /// Checks the state, input and ape tensors (and `out`, when the call has one) and fills the
-  /// parameters they determine; `input_rows` and `out_rows` bind the row counts.
+  /// CompressorEntry's checks of the state ring [pages, R, row width], input and ape (and `out`);
+  /// `input_rows` and `out_rows` bind the row counts.
   static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
                        const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
                        Size& out_rows) {
