@@ -53,7 +53,7 @@ struct Params {
 
 /// The store step behind a pool pass whose units hold C channels per lane, kWarpsPerUnit warps
 /// each, kUnitsPerBlock units per block: its shared memory and the sink the pass emits rows into.
-template <typename InT, store::Format F, bool kPDL, int C, int kWarpsPerUnit, int kUnitsPerBlock>
+template <typename InT, store::Format F, int C, int kWarpsPerUnit, int kUnitsPerBlock>
 struct StoreStep {
   using L = store::Layout<F>;
   static constexpr int kHeadDim = L::kHeadDim;
@@ -234,7 +234,7 @@ struct RingPass {
   using K = typename Compressor::K;
   using W = typename K::W;
   using Params = compress::Params;
-  using Step = StoreStep<InT, F, kPDL, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>;
+  using Step = StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>;
   static constexpr int kThreads = K::kThreads;
   // A c4 prefill warp's store tail holds its registers with no load in flight. For V4 rows (4
   // warps that exchange partials) 6 blocks per SM (80 registers, 48 bytes of spills) keep more
@@ -276,8 +276,8 @@ struct OnlinePass {
   using Compressor = online::Online<kHeadDim, BufferT, kPDL>;
   using K = typename Compressor::K;
   using Params = online::Params;
-  using Step = std::conditional_t<kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
-                                  StoreStep<float, F, kPDL, 4, 1, kHeadDim / 128>>;
+  using Step = std::conditional_t<kDecode, StoreStep<float, F, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
+                                  StoreStep<float, F, 4, 1, kHeadDim / 128>>;
   static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
   static constexpr int kMinBlocks = kDecode ? 0 : K::kPrefillMinBlocks;
 
