@@ -970,7 +970,7 @@ def test_fp4_codec_equals_the_threshold_rule_on_every_fp32(device):
     threshold rule of contract §6.6) on all 2^32 fp32 bit patterns: ties, subnormals, ±0, infinities and NaNs
     included. Each codec codes the pair (x, x) into one byte, so both nibble positions are checked."""
     dev = torch.device(device, torch.cuda.current_device())
-    codes = runtime.function("store", "fp4_codes", dev, dtype="fp32", format="indexer_fp4")
+    codes = runtime.function("store_probes", "fp4_codes", dev)
     chunk = 1 << 28
     out = torch.full((chunk, 2), 0xFF, dtype=torch.uint8, device=dev)
     for start in range(0, 1 << 32, chunk):
@@ -993,7 +993,7 @@ def test_scale_exponents_equal_the_division_rule_on_every_fp32(device):
     the floor, subnormals, every mantissa, infinity, NaNs): D = 6, the fp4 groups' rule, and D = 448,
     the V4 tiles' rule in the standalone store (the fused kernels divide)."""
     dev = torch.device(device, torch.cuda.current_device())
-    exponents = runtime.function("store", "scale_exponents", dev, dtype="fp32", format="indexer_fp4")
+    exponents = runtime.function("store_probes", "scale_exponents", dev)
     chunk = 1 << 28
     out = torch.full((chunk, 2), -1, dtype=torch.int32, device=dev)
     for start in range(0, 1 << 31, chunk):

@@ -77,10 +77,18 @@ STORE = KernelSpec(
     header="store/store.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run",
-             "fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents",
              "describe_status": "dsv4::store::describe_status"},
     serving=tuple({"dtype": "fp32", "format": f, "pdl": True} for f in STORE_FORMATS),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
+)
+
+# Test-only: no op calls it, so it has no serving set (precompile builds it only when asked for).
+STORE_PROBES = KernelSpec(
+    name="store_probes",
+    header="store/probes.cuh",
+    params=(),
+    exports={"fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents"},
+    doc="test-only probes of the store's fp4 codecs and UE8M0 exponents over any fp32 inputs",
 )
 
 
@@ -142,4 +150,4 @@ FUSED_ONLINE = KernelSpec(
 )
 
 SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE,
-                                                    FUSED, COMPAT_C4, COMPRESS_ONLINE, FUSED_ONLINE)}
+                                                    STORE_PROBES, FUSED, COMPAT_C4, COMPRESS_ONLINE, FUSED_ONLINE)}

@@ -1,4 +1,4 @@
-// Warp-level reductions and scans (32 lanes, full mask).
+// Warp-level reductions and scans (32 lanes, full mask), with the in-thread step that precedes one.
 #pragma once
 
 #include "types.cuh"
@@ -8,11 +8,16 @@ namespace dsv4 {
 inline constexpr int kWarpSize = 32;
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
-template <typename T>
-DSV4_DEV T warp_sum(T x) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
-  return x;
+/// Largest value over `lanes` neighbouring lanes (a power of two, aligned): every lane of the
+/// group ends with it (a butterfly, so the whole warp must take part).
+DSV4_DEV float reduce_amax(float a, int lanes) {
+  for (int m = lanes / 2; m > 0; m /= 2) a = fmaxf(a, __shfl_xor_sync(kFullMask, a, m));
+  return a;
+}
+
+/// Largest magnitude of 4 values (within the thread).
+DSV4_DEV float amax4(const float (&v)[4]) {
+  return fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 }
 
 /// Inclusive prefix sum across the warp.

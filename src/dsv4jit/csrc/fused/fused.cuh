@@ -5,7 +5,7 @@
 //
 // A pooled row is spread over the units of its channel slices (compress/ring.cuh, compress/online.cuh), and
 // each unit stores its own slice; the units of a row share only the chunk partials of the row's
-// sum of squares (store/store.cuh's canonical order, 32 x chunks values):
+// sum of squares (store/rms.cuh's canonical order, 32 x chunks values):
 //   one-warp units (c4, online decode): a warp holds one 128-channel chunk of the store layout
 //             (lane l: channels 128k + 4l..); the row's warps (4 for hd512, 1 for hd128) share
 //             partials through shared memory
@@ -30,7 +30,14 @@
 #include "common/cluster.cuh"
 #include "compress/ring.cuh"
 #include "compress/online.cuh"
+#include "store/indexer_codec.cuh"
+#include "store/layout.cuh"
+#include "store/params.cuh"
+#include "store/rms.cuh"
+#include "store/rope.cuh"
+#include "store/rows.cuh"
 #include "store/store.cuh"
+#include "store/v4_codec.cuh"
 
 namespace dsv4::fused {
 
@@ -46,10 +53,9 @@ struct Params {
 
 /// The store step behind a pool pass whose units hold C channels per lane, kWarpsPerUnit warps
 /// each, kUnitsPerBlock units per block: its shared memory and the sink the pass emits rows into.
-template <typename InT, store::Format F, bool kPDL, int C, int kWarpsPerUnit, int kUnitsPerBlock>
+template <typename InT, store::Format F, int C, int kWarpsPerUnit, int kUnitsPerBlock>
 struct StoreStep {
   using L = store::Layout<F>;
-  using S = store::Kernel<InT, F, kPDL>;
   static constexpr int kHeadDim = L::kHeadDim;
   static constexpr int kUnitChannels = kWarpSize * C;
   static constexpr int kSlices = kHeadDim / kUnitChannels;
@@ -87,12 +93,12 @@ struct StoreStep {
       if constexpr (kCluster) cluster_arrive_relaxed();  // phase 0: this block has started
       if (lane.warp_in_unit != 0) return;
       // Branch on plan values only: the out_loc load stays in flight, next to the window loads.
-      stores = S::select(p, lane.row, loc, position);
+      stores = store::select<kWarpSize>(p, lane.row, loc, position);
       if (!stores) return;
       const int r = row_in_block();
       const InT* weight = static_cast<const InT*>(p.norm_weight);
       cp_async<C * sizeof(InT)>(&sh.weight[r][lane.channel], weight + lane.channel);
-      if (rope_channel(lane) >= 0 && S::position_ok(p, position)) {
+      if (rope_channel(lane) >= 0 && store::position_ok(p, position)) {
         cp_async<C * sizeof(float)>(&sh.freq[r][rope_channel(lane)],
                                     p.freq + position * store::kRopeDim + rope_channel(lane));
       }
@@ -125,18 +131,18 @@ struct StoreStep {
         if (!holds || !stores) return;  // uniform over the cluster: nobody writes into a block that left
         cluster_wait();  // phase 1: every partial has landed
       } else if constexpr (kSlices > 1) {
-        if (holds) sh.partials[r][slice][l] = S::chunk_partial(x);
+        if (holds) sh.partials[r][slice][l] = store::chunk_partial(x);
         __syncthreads();
         if (!stores) return;
       } else {
         if (!stores) return;
-        sh.partials[r][0][l] = S::chunk_partial(x);  // read back by this lane only
+        sh.partials[r][0][l] = store::chunk_partial(x);  // read back by this lane only
       }
       float lane_sum = 0.0f;
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) lane_sum = __fadd_rn(lane_sum, sh.partials[r][k][l]);
-      const float total = S::row_sum(lane_sum);
-      if (!S::check(p, loc, position)) return;
+      const float total = store::row_sum(lane_sum);
+      if (!store::check<kWarpSize>(p, loc, position)) return;
       cp_async_wait_all();  // each lane reads only what its own cp.async brought
       float w[C], f[C];
 #pragma unroll
@@ -144,12 +150,23 @@ struct StoreStep {
         w[c] = to_f32(sh.weight[r][lane.channel + c]);
         f[c] = rope_channel(lane) >= 0 ? sh.freq[r][rope_channel(lane) + c] : 0.0f;
       }
-      const float scale = S::rms_scale(p, total);
+      const float scale = store::rms_scale<F>(p, total);
       if constexpr (kCluster) {
-        S::store_tile(S::slot_at(p, loc), slice, x, w, scale, f, l);
+        store::store_tile<F>(store::slot_at<F>(p, loc), slice, x, w, scale, f, l);
       } else {
-        S::normalize_group(l + kWarpSize * slice, x, w, scale, f);
-        S::store_chunk(S::slot_at(p, loc), slice, x, l);
+        store::normalize_group<F>(l + kWarpSize * slice, x, w, scale, f);
+        store_chunk(store::slot_at<F>(p, loc), slice, x, l);
+      }
+    }
+
+    /// Quantizes a normalized chunk k of the 32-lane layout and stores it (with its scales) in `slot`.
+    DSV4_DEV static void store_chunk(const store::Slot& slot, int k, float (&x)[4], int lane) {
+      if constexpr (L::kIndexer) {
+        float(&v)[1][4] = reinterpret_cast<float(&)[1][4]>(x);
+        const auto codes = store::encode_indexer<F, kWarpSize>(v, lane, store::Fp4ByRule{});
+        store::write_indexer<F, kWarpSize>(slot, lane, codes);
+      } else {
+        store::write_v4<F>(slot, 128 * k + 4 * lane, store::encode_v4<F>(128 * k + 4 * lane, x));
       }
     }
   };
@@ -217,12 +234,12 @@ struct RingPass {
   using K = typename Compressor::K;
   using W = typename K::W;
   using Params = compress::Params;
-  using Step = StoreStep<InT, F, kPDL, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>;
+  using Step = StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>;
   static constexpr int kThreads = K::kThreads;
   // A c4 prefill warp's store tail holds its registers with no load in flight. For V4 rows (4
   // warps that exchange partials) 6 blocks per SM (80 registers, 48 bytes of spills) keep more
-  // loads in flight than the compiler's 5 (86 registers): 1x8192 tokens 29.3-29.5 -> 27.2 us,
-  // 1x32768 93.8-94.4 -> 87.0 us. Indexer rows (one warp each) measured slower with it.
+  // loads in flight than the compiler's 5 (86 registers), which made large prefills faster;
+  // indexer rows (one warp each) measured slower with it (docs/performance.md).
   static constexpr int kMinBlocks = kRatio == 4 && !kDecode && kHeadDim == 512 ? 6 : K::kMinBlocks;
 
   static LaunchShape shape(uint32_t rows) {
@@ -259,8 +276,8 @@ struct OnlinePass {
   using Compressor = online::Online<kHeadDim, BufferT, kPDL>;
   using K = typename Compressor::K;
   using Params = online::Params;
-  using Step = std::conditional_t<kDecode, StoreStep<float, F, kPDL, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
-                                  StoreStep<float, F, kPDL, 4, 1, kHeadDim / 128>>;
+  using Step = std::conditional_t<kDecode, StoreStep<float, F, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
+                                  StoreStep<float, F, 4, 1, kHeadDim / 128>>;
   static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
   static constexpr int kMinBlocks = kDecode ? 0 : K::kPrefillMinBlocks;
 

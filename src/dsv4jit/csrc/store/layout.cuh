@@ -1,0 +1,77 @@
+// Where the store puts a row: the byte layout of each cache format (Layout, Slot, slot_at) and how a
+// row's channels are spread over the lanes that hold it (RowLanes).
+//
+// A row is held by kLanes lanes (a warp for the 512-dim V4 rows; 4, 8 or 16 for the 128-dim
+// indexer rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
+// g = 0, 1, ..: the channels 4(j + kLanes·g) .. +3, its "virtual lane" j + kLanes·g of the
+// 32-lane layout (lane l, chunk k: channels 128k + 4l ..). Every global access is a coalesced
+// 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles of the V4 layout are half-warps, the
+// fp4 32-dim groups are 8 virtual lanes, and the rope dims are the trailing 16 virtual lanes.
+#pragma once
+
+#include <cstdint>
+
+#include "common/warp.cuh"
+#include "params.cuh"
+
+namespace dsv4::store {
+
+enum class Format : int { kV4Fp8 = 0, kV4Bf16 = 1, kIndexerFp8 = 2, kIndexerFp4 = 3 };
+
+inline constexpr int kRopeDim = 64;
+
+/// Byte layout of one format: page size in bytes and where a token's data and scales go.
+template <Format F>
+struct Layout {
+  static constexpr bool kIndexer = F == Format::kIndexerFp8 || F == Format::kIndexerFp4;
+  static constexpr int kHeadDim = kIndexer ? 128 : 512;
+  static constexpr int kChunks = kHeadDim / 128;
+  static constexpr int kRopeLane = (kHeadDim - kRopeDim) / 4;  // first virtual lane of the rope dims
+  // bytes per token of the data rows (the region before the scale rows of a page)
+  static constexpr int kDataBytes = F == Format::kV4Fp8 ? 576 : F == Format::kV4Bf16 ? 1024
+                                    : F == Format::kIndexerFp8 ? 128 : 64;
+  static constexpr int kScaleBytes = F == Format::kV4Fp8 ? 8 : F == Format::kV4Bf16 ? 0 : 4;
+
+  static int64_t page_bytes(int64_t page_size) {
+    const int64_t raw = (kDataBytes + kScaleBytes) * page_size;
+    return F == Format::kV4Fp8 ? (raw + 575) / 576 * 576 : raw;  // V4 pages are padded to 576 B
+  }
+};
+
+/// A row held by kLanes lanes (see the top of the file).
+template <int kLanes>
+struct RowLanes {
+  static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16 || kLanes == kWarpSize, "4, 8, 16 or 32 lanes a row");
+  static constexpr int kSpan = kWarpSize / kLanes;  // a lane's 4-channel groups within one 128-channel chunk
+  // fp4 (indexer rows): the 32-dim groups (8 virtual lanes) a lane holds values of, and how many of
+  // its 4-channel groups fall in each (two neighbouring ones on 4 lanes)
+  static constexpr int kFp4Groups = kSpan < 4 ? kSpan : 4;
+  static constexpr int kFold = kSpan / kFp4Groups;
+
+  /// The virtual lane of lane j's group g.
+  static constexpr int vlane(int j, int g) { return j + kLanes * g; }
+};
+
+/// Where a token's bytes go in its page: the data row and the scale row.
+struct Slot {
+  uint8_t* data;
+  uint8_t* scales;
+};
+
+template <Format F>
+DSV4_DEV Slot slot_at(const Params& p, int64_t loc) {
+  using L = Layout<F>;
+  if constexpr (L::kIndexer) {
+    // Unpadded pages: a page starts at its first location times the token bytes, so the data
+    // row is at loc·kD + first·kS and the scale row at loc·kS + first·kD + kD·page_size (no
+    // 64-bit multiply by the page bytes: faster, docs/performance.md).
+    const int64_t first = loc & ~((int64_t{1} << p.log2_page_size) - 1);
+    return {p.cache + loc * L::kDataBytes + first * L::kScaleBytes,
+            p.cache + loc * L::kScaleBytes + first * L::kDataBytes + (int64_t{L::kDataBytes} << p.log2_page_size)};
+  }
+  uint8_t* page = p.cache + (loc >> p.log2_page_size) * p.page_bytes;
+  const int64_t slot = loc & ((int64_t{1} << p.log2_page_size) - 1);
+  return {page + slot * L::kDataBytes, page + (int64_t{L::kDataBytes} << p.log2_page_size) + slot * L::kScaleBytes};
+}
+
+}  // namespace dsv4::store

@@ -1,0 +1,69 @@
+// Test-only probes of the store's codecs (the store_probes module, outside the serving set): the
+// e2m1 codes of both fp4 codecs and the division-free UE8M0 exponents, over any fp32 inputs, for
+// checking them against the reference rules on every bit pattern.
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/launch.cuh"
+#include "common/quant.cuh"
+#include "common/tensor_check.h"
+#include "common/types.cuh"
+
+namespace dsv4::store {
+
+using tvm::ffi::TensorView;
+
+/// Codec probes for the tests: each maps an fp32 value to two outputs.
+template <typename Probe, typename Out>
+__global__ void probe_kernel(const float* __restrict__ x, Out* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    Probe::apply(x[i], out + 2 * i);
+  }
+}
+
+/// Runs Probe over x fp32 [n] into out [n, 2] (`x_name`: the input's name in errors).
+template <typename Probe, typename Out>
+void run_probe(const char* op, const char* x_name, TensorView x, TensorView out) {
+  Size n{"n"};
+  Device dev;
+  Check(op, x_name, x).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
+  Check(op, "out", out).shape({n, 2}).dtype(DTypeInfo<Out>::dtype).cuda(dev).contiguous();
+  launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, probe_kernel<Probe, Out>,
+         static_cast<const float*>(x.data_ptr()), static_cast<Out*>(out.data_ptr()), n.value);
+}
+
+/// The e2m1 code pair (x, x) the fp4 stores write for already-scaled values: by fp4_code, by its
+/// table.
+struct Fp4CodesProbe {
+  static DSV4_DEV void apply(float x, uint8_t* out) {
+    out[0] = static_cast<uint8_t>(fp4_code_pair(x, x));
+    out[1] = static_cast<uint8_t>(kFp4Codes.pair(x, x));
+  }
+};
+
+/// UE8M0 exponents by the division-free rule for a group's largest magnitude: amax / 6 (the fp4
+/// groups' scale) and amax / 448 (the V4 tiles' divisor, which the fused kernels keep as a division).
+struct ScaleExponentsProbe {
+  static DSV4_DEV void apply(float amax, int32_t* out) {
+    out[0] = ue8m0_scale_exponent<6>(amax);
+    out[1] = ue8m0_scale_exponent<448>(amax);
+  }
+};
+
+/// x fp32 [n] -> out u8 [n, 2]: Fp4CodesProbe, for checking both codecs against the reference rule.
+inline void fp4_codes(TensorView x, TensorView out) {
+  run_probe<Fp4CodesProbe, uint8_t>("store_probes.fp4_codes", "x", x, out);
+}
+
+/// amax fp32 [n] -> out int32 [n, 2]: ScaleExponentsProbe, for checking the rule against the
+/// reference's division.
+inline void scale_exponents(TensorView amax, TensorView out) {
+  run_probe<ScaleExponentsProbe, int32_t>("store_probes.scale_exponents", "amax", amax, out);
+}
+
+}  // namespace dsv4::store

@@ -1,0 +1,29 @@
+// RMSNorm and RoPE of a row's channels: the normalization with the row's RMS scale, in the
+// reference's order, and the rotation of the trailing 64 dims (interleaved (re, im) pairs).
+#pragma once
+
+#include "layout.cuh"
+
+namespace dsv4::store {
+
+/// RoPE of one interleaved (re, im) pair.
+DSV4_DEV void rotate(float& re, float& im, float cs, float sn) {
+  const float a = re, b = im;
+  re = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+  im = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+}
+
+/// Normalizes the 4 channels of virtual lane v (channels 4v .. +3) of a row of format F with the
+/// row's RMS scale `r` and rotates them if they are rope dims (`freq`: their (cos, sin) pairs).
+template <Format F>
+DSV4_DEV void normalize_group(int v, float (&x)[4], const float (&w)[4], float r, const float (&freq)[4]) {
+  // RMSNorm, in the reference's order: y = (x * r) * w, without fused multiply-adds.
+#pragma unroll
+  for (int c = 0; c < 4; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
+  if (v >= Layout<F>::kRopeLane) {  // the trailing 64 dims: interleaved (re, im) pairs
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) rotate(x[2 * pair], x[2 * pair + 1], freq[2 * pair], freq[2 * pair + 1]);
+  }
+}
+
+}  // namespace dsv4::store
