@@ -10,8 +10,8 @@
 
 namespace dsv4::store {
 
-/// A row's violations are reported by its first lane (rows on kLanes lanes): report_status with the
-/// lane test after the status test, so that unchecked calls skip both at once.
+/// A row's violations are reported by its first lane (rows on kLanes lanes). The status test comes
+/// first, so that unchecked calls skip the lane test too.
 template <int kLanes>
 DSV4_DEV void report(const Params& p, int32_t bit) {
   if (p.status != nullptr && threadIdx.x % kLanes == 0) atomicOr(p.status, bit);

@@ -79,9 +79,7 @@ template <Format F>
 DSV4_DEV void store_tile(const Slot& slot, int tile, float (&x)[2], const float (&w)[2], float r,
                          const float (&freq)[2], int lane) {
   static_assert(!Layout<F>::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
-#pragma unroll
-  for (int c = 0; c < 2; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
-  if (tile == Layout<F>::kHeadDim / 64 - 1) rotate(x[0], x[1], freq[0], freq[1]);
+  normalize(x, w, r, freq, tile == Layout<F>::kHeadDim / 64 - 1);  // the last tile holds the rope dims
   write_v4<F>(slot, 64 * tile + 2 * lane, encode_v4<F>(64 * tile + 2 * lane, x));
 }
 
