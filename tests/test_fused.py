@@ -178,15 +178,24 @@ def test_fused_long_random_scenario(device, config_format):
 
 
 def fused_entries(monkeypatch) -> list[tuple[str, str]]:
-    """The (kernel, entry point) of every fused-module call from now on (runs_fused's choice)."""
+    """The (kernel, path) of every fused-module call from now on (runs_fused's choice): path is
+    decode or prefill, with _two_step where the call passed a buffer for the compressed rows."""
     calls, function = [], fused_ops.runtime.function
 
     def spy(name, entry, *args, **params):
-        if name.startswith("fused"):
-            calls.append((name, entry))
-        return function(name, entry, *args, **params)
+        fn = function(name, entry, *args, **params)
+        if not name.startswith("fused") or entry != "run":
+            return fn
+
+        def run(*a):
+            plan_w, rows = a[4], a[5]
+            calls.append((name, ("decode" if plan_w is None else "prefill") + ("" if rows is None else "_two_step")))
+            return fn(*a)
+
+        return run
 
     monkeypatch.setattr(fused_ops.runtime, "function", spy)
+    fused_ops.runtime.clear_call_caches()  # launchers made before hold the kernels unobserved
     return calls
 
 

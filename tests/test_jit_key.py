@@ -386,15 +386,6 @@ def test_variant_id_slug_and_wrapper_are_canonical():
     assert "dsv4::SelfTest<dsv4::bf16_t, false>::affine" in off.wrapper_source()
 
 
-def test_variant_exports_leave_out_what_omit_names():
-    spec = KernelSpec(name="k", header="k.cuh", params=(Param("n", "int", (1, 2)),),
-                      exports={"run": "K<{n}>::run", "run_twice": "K<{n}>::run_twice"},
-                      omit=lambda v: ("run_twice",) if v["n"] == 1 else ())
-    assert spec.variant(n=1).exports() == {"run": "K<1>::run"}
-    assert spec.variant(n=2).exports() == {"run": "K<2>::run", "run_twice": "K<2>::run_twice"}
-    assert "run_twice" not in spec.variant(n=1).wrapper_source()
-
-
 def test_variant_rejects_unknown_and_missing_parameters():
     with pytest.raises(ValueError, match=r"head_dim"):
         SELFTEST.variant(dtype="fp32", pdl=True, head_dim=512)

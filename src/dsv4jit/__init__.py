@@ -15,7 +15,11 @@ _EXPORTS = {
     "CompressorDecodePlan": "dsv4jit.plan",
     "compress_forward": "dsv4jit.ops",
     "compress_and_store": "dsv4jit.ops",
+    "compress_and_store_c4_layer": "dsv4jit.ops",
     "compress_norm_rope_store": "dsv4jit.ops",
+    "online_c128_mtp_commit_pending": "dsv4jit.ops",
+    "online_c128_mtp_mark_pending": "dsv4jit.ops",
+    "online_c128_mtp_write_prefix_states": "dsv4jit.ops",
     "set_checks": "dsv4jit.runtime",
     "warmup": "dsv4jit.preload",
 }

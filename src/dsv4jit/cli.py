@@ -274,6 +274,8 @@ def cmd_info(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run
 
+    if args.speculative:
+        return _speculative_demo(args)
     try:  # the calls that validate the options: their ValueErrors name the option
         device = run.resolve_device(args.device)
         config = run.config_for(device, requests=args.requests, min_prompt=args.min_prompt,
@@ -287,6 +289,27 @@ def cmd_demo(args) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     result = run.run_demo(config, str(device), progress=progress)
     _emit(args, result.as_dict(), run.format_result(result))
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _speculative_demo(args) -> int:
+    """demo --speculative: online c128 layers decoded by verify steps (demo/speculative.py)."""
+    from dataclasses import replace
+
+    from .demo import run, speculative
+
+    try:
+        device = run.resolve_device(args.device)
+        base = speculative.GPU_SPECULATIVE if device.type == "cuda" else speculative.CPU_SPECULATIVE
+        options = dict(requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                       layers=args.layers, seed=args.seed, verify_tokens=args.verify_tokens,
+                       rounds=args.decode_steps, check=False if args.no_check else None)
+        config = replace(base, **{k: v for k, v in options.items() if v is not None})
+        config.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    result = speculative.run_speculative(config, device)
+    _emit(args, result.as_dict(), speculative.format_speculative(result))
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
@@ -379,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run each compressor step through compress_and_store (one op) instead of two")
     pd.add_argument("--decode-plans", choices=("in-graph", "copy"),
                     help="build decode plans inside the graph, or outside it and copy_ them in")
+    pd.add_argument("--speculative", action="store_true",
+                    help="online c128 layers decoded by verify steps of draft tokens (speculative decoding); "
+                    "--decode-steps counts the verify steps, --layers the online c128 layers")
+    pd.add_argument("--verify-tokens", type=int, help="with --speculative: draft tokens per request and verify "
+                    "step, 1-8 (default: 4)")
     pd.add_argument("--no-check", action="store_true", help="skip the reference run and the comparison")
     pd.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     pd.add_argument("--json", action="store_true", help="machine-readable result")

@@ -31,6 +31,12 @@ _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # fake tensors, make_fx, non-strict export
 
 
+def tracing() -> bool:
+    """Whether torch.compile is tracing or a dispatch mode is active: the ops must then go through
+    ``torch.ops.dsv4jit`` (their eager fast paths call the kernels directly otherwise)."""
+    return _is_compiling() or bool(_dispatch_modes())
+
+
 def _returns_none(impl: Callable) -> bool:
     return inspect.signature(impl).return_annotation in (None, "None")
 
@@ -50,7 +56,7 @@ def custom_op(name: str, *, mutates_args: tuple[str, ...], fake: Optional[Callab
         overload = getattr(getattr(torch.ops, NAMESPACE), name).default
 
         def call(*args):
-            if _is_compiling() or _dispatch_modes():  # about 0.1 µs: this runs on every eager call
+            if tracing():  # about 0.1 µs: this runs on every eager call
                 return overload(*args)
             return impl(*args)
 

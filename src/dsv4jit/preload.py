@@ -21,7 +21,7 @@ from .family import ModelConfig
 from .jit import batch, loader
 from .jit.registry import Variant, unique
 from .jit.toolchain import Arch
-from .ops import compress, fused, online, store
+from .ops import compress, fused, layer, online, online_mtp, store
 
 _OP = "warmup"
 
@@ -31,9 +31,10 @@ MODEL_HEAD_DIMS: Mapping[int, tuple[int, ...]] = {4: (512, 128), 128: (512,)}
 #: op family -> what its calls reach: "plan" (CompressorPrefillPlan/CompressorDecodePlan),
 #: "compress" (compress_forward), "store" (compress_norm_rope_store), "fused" (compress_and_store),
 #: "online" (compress_forward(is_online=True), the c128 layers), "fused_online"
-#: (compress_and_store(is_online=True), the c128 latent), "compat" (dsv4jit.compat, the c4 layers).
+#: (compress_and_store(is_online=True), the c128 latent), "c4_layer" (compress_and_store_c4_layer),
+#: "online_mtp" (online c128's speculative-decoding ops), "compat" (dsv4jit.compat, the c4 layers).
 FAMILIES = {f.name: f for f in (plan.FAMILY, compress.FAMILY, store.FAMILY, fused.FAMILY, online.FAMILY,
-                                fused.ONLINE_FAMILY, compat.FAMILY)}
+                                fused.ONLINE_FAMILY, layer.FAMILY, online_mtp.FAMILY, compat.FAMILY)}
 
 
 def _target(device, arch: Optional[str]) -> Arch:
@@ -101,8 +102,9 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
         indexer, bf16_store for the latent).
     ops: op families to cover: "plan", "compress", "store", "fused" (compress_and_store), "online"
         (compress_forward(is_online=True) for the c128 head dims), "fused_online"
-        (compress_and_store(is_online=True), the c128 latent), "compat" (dsv4jit.compat, for the c4
-        head dims).
+        (compress_and_store(is_online=True), the c128 latent), "c4_layer"
+        (compress_and_store_c4_layer, for c4 layers of head dims 512 and 128), "online_mtp" (online
+        c128's speculative-decoding ops), "compat" (dsv4jit.compat, for the c4 head dims).
     arch: build for this target instead (e.g. ``"9.0a"``): works on a machine without a GPU when
         nvcc is installed (the modules load there too, they just cannot run).
     jobs: parallel compiles (default: memory-aware, as ``python -m dsv4jit precompile``).

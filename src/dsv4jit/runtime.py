@@ -2,6 +2,8 @@
 that path (``python -m dsv4jit info --check``).
 
 This is the only place the ops layer touches the loader; lookups after the first are one dict hit.
+The ops' eager fast paths keep their per-signature decisions in caches made here (`call_cache`),
+which a change of checked mode clears.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from .jit.toolchain import Arch
 _FUNCTIONS: dict[tuple, object] = {}
 _checks: list[bool] = []  # resolved once: DSV4JIT_CHECK is read at first use, set_checks overrides
 _kernel_allocation: list[bool] = []  # resolved once, by kernels_allocate()
+_CALL_CACHES: list[dict] = []
+
+
+def call_cache() -> dict:
+    """A dict for an op's eager fast path (signature -> launcher), emptied whenever checked mode
+    changes: a launcher is made for unchecked calls only."""
+    cache: dict = {}
+    _CALL_CACHES.append(cache)
+    return cache
 
 
 def set_checks(enabled: bool | None) -> None:
@@ -29,6 +40,13 @@ def set_checks(enabled: bool | None) -> None:
         raise TypeError(f"dsv4jit.set_checks: argument 'enabled' must be a bool or None, got "
                         f"{type(enabled).__name__} {enabled!r}")
     _checks[:] = [env.checks() if enabled is None else enabled]
+    clear_call_caches()
+
+
+def clear_call_caches() -> None:
+    """Forget every op's per-signature decisions (the next call of each signature takes the full path)."""
+    for cache in _CALL_CACHES:
+        cache.clear()
 
 
 def checks_enabled() -> bool:

@@ -98,9 +98,7 @@ FUSED = KernelSpec(
     header="fused/fused.cuh",
     params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", ("fp32", "bf16")), PDL),
-    exports={"prefill": _FUSED_ENTRY + "::prefill", "decode": _FUSED_ENTRY + "::decode",
-             "prefill_two_step": _FUSED_ENTRY + "::prefill_two_step",
-             "decode_two_step": _FUSED_ENTRY + "::decode_two_step",
+    exports={"run": _FUSED_ENTRY + "::run",
              "describe_compress_status": "dsv4::compress::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32", "pdl": True}
@@ -108,8 +106,21 @@ FUSED = KernelSpec(
     doc="compress + RMSNorm + RoPE (+ Hadamard) + quantize + paged store in one kernel (head_dim from the format)",
     reject=lambda v: ("ratio 128 stores V4 rows (head_dim 512) only, not the indexer formats"
                       if v["ratio"] == 128 and v["format"].startswith("indexer") else None),
-    # what compress_and_store calls (ops/fused.py): c4 always one kernel, ring c128 never for prefill
-    omit=lambda v: ("prefill_two_step", "decode_two_step") if v["ratio"] == 4 else ("prefill",),
+)
+
+_C4_LAYER_ENTRY = "dsv4::fused::C4Layer<{state}, {input}, {core_format}, {indexer_format}, {pdl}>"
+C4_LAYER = KernelSpec(
+    name="fused_c4_layer",
+    header="fused/layer.cuh",
+    params=(Param("core_format", "enum", STORE_FORMATS[:2], _FORMAT_CPP[:2]),
+            Param("indexer_format", "enum", STORE_FORMATS[2:], _FORMAT_CPP[2:]),
+            Param("state", "dtype", ("fp32", "bf16")), Param("input", "dtype", ("fp32", "bf16")), PDL),
+    exports={"run": _C4_LAYER_ENTRY + "::run",
+             "describe_compress_status": "dsv4::compress::describe_status",
+             "describe_store_status": "dsv4::store::describe_status"},
+    serving=tuple({"core_format": "v4_fp8", "indexer_format": f, "state": "fp32", "input": "fp32", "pdl": True}
+                  for f in ("indexer_fp4", "indexer_fp8")),
+    doc="a c4 layer's core and indexer compressor steps (compress_and_store of each) in one launch",
 )
 
 _COMPAT_ENTRY = "dsv4::compat::CompatC4<{head_dim}, {state}, {input}, {output}, {pdl}>"
@@ -136,13 +147,25 @@ COMPRESS_ONLINE = KernelSpec(
     doc="online c128: one running softmax state row per request (prefill segments and decode steps)",
 )
 
+_ONLINE_MTP_ENTRY = "dsv4::online_mtp::DraftStates<{head_dim}, {state}, {pdl}>"
+ONLINE_MTP = KernelSpec(
+    name="online_mtp",
+    header="compress/online_mtp.cuh",
+    params=(Param("head_dim", "int", (128, 256, 512)), Param("state", "dtype", ("fp32", "bf16")), PDL),
+    exports={"write_prefix_states": _ONLINE_MTP_ENTRY + "::write_prefix_states",
+             "mark_pending": _ONLINE_MTP_ENTRY + "::mark_pending",
+             "commit_pending": _ONLINE_MTP_ENTRY + "::commit_pending",
+             "describe_status": "dsv4::online_mtp::describe_status"},
+    serving=tuple({"head_dim": 512, "state": st, "pdl": True} for st in ("fp32", "bf16")),
+    doc="online c128 with speculative decoding: draft states of a verify step, pending lengths, commit",
+)
+
 _FUSED_ONLINE_ENTRY = "dsv4::fused::OnlineCompressAndStore<{state}, {format}, {pdl}>"
 FUSED_ONLINE = KernelSpec(
     name="fused_online",
     header="fused/fused.cuh",
     params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
-    exports={"prefill": _FUSED_ONLINE_ENTRY + "::prefill", "decode": _FUSED_ONLINE_ENTRY + "::decode",
-             "prefill_two_step": _FUSED_ONLINE_ENTRY + "::prefill_two_step",
+    exports={"run": _FUSED_ONLINE_ENTRY + "::run",
              "describe_compress_status": "dsv4::online::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"format": "v4_fp8", "state": st, "pdl": True} for st in ("fp32", "bf16")),
@@ -150,4 +173,5 @@ FUSED_ONLINE = KernelSpec(
 )
 
 SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE,
-                                                    STORE_PROBES, FUSED, COMPAT_C4, COMPRESS_ONLINE, FUSED_ONLINE)}
+                                                    STORE_PROBES, FUSED, C4_LAYER, COMPAT_C4, COMPRESS_ONLINE, ONLINE_MTP,
+                                                    FUSED_ONLINE)}

@@ -74,8 +74,6 @@ class KernelSpec:
     doc: str = ""
     # combinations the templates reject: returns why (a message), or None when the values are fine
     reject: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None
-    # the exports a variant leaves out (python names; no op calls them for those values)
-    omit: Optional[Callable[[Mapping[str, Any]], tuple[str, ...]]] = None
     _by_name: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,8 +130,7 @@ class Variant:
 
     def exports(self) -> dict[str, str]:
         args = self.cpp_args()
-        omitted = self.spec.omit(self.params) if self.spec.omit is not None else ()
-        return {py: cpp.format(**args) for py, cpp in self.spec.exports.items() if py not in omitted}
+        return {py: cpp.format(**args) for py, cpp in self.spec.exports.items()}
 
     def wrapper_source(self) -> str:
         """The generated translation unit: the kernel header plus one export line per entry."""

@@ -9,7 +9,9 @@ per family, importing downwards only:
 * ``online``: the online c128 compressor (``compress_forward(..., is_online=True)``);
 * ``store``: ``compress_norm_rope_store``;
 * ``compress``: ``compress_forward`` (the ring compressors; hands ``is_online=True`` to ``online``);
-* ``fused``: ``compress_and_store``, built on the other three.
+* ``fused``: ``compress_and_store``, built on the other three;
+* ``layer``: ``compress_and_store_c4_layer``, a c4 layer's two compressors in one launch;
+* ``online_mtp``: online c128's speculative-decoding ops (draft states, pending lengths, commit).
 
 Each family module has the function that picks a call's kernel variant (``kernel``) and its
 ``Family``, from which ``dsv4jit.warmup`` derives what a model configuration reaches.
@@ -17,6 +19,13 @@ Each family module has the function that picks a call's kernel variant (``kernel
 
 from .compress import compress_forward
 from .fused import compress_and_store
+from .layer import compress_and_store_c4_layer
+from .online_mtp import (
+    online_c128_mtp_commit_pending,
+    online_c128_mtp_mark_pending,
+    online_c128_mtp_write_prefix_states,
+)
 from .store import compress_norm_rope_store
 
-__all__ = ["compress_and_store", "compress_forward", "compress_norm_rope_store"]
+__all__ = ["compress_and_store", "compress_and_store_c4_layer", "compress_forward", "compress_norm_rope_store", "online_c128_mtp_commit_pending",
+           "online_c128_mtp_mark_pending", "online_c128_mtp_write_prefix_states"]

@@ -1,6 +1,9 @@
-"""``compress_forward``: the ring compressors, c4 and c128 (contract §4). CUDA tensors run
-csrc/compress/ring.cuh, CPU tensors reference/compress.py; ``is_online=True`` hands the call to the online
-compressor (ops/online.py)."""
+"""``compress_forward``: the ring compressors, c4 and c128 (contract §4), and with ``is_online=True``
+the online c128 one (ops/online.py): one path over the compressor kinds of ops/compressor.py. CUDA
+tensors run csrc/compress/ring.cuh (online.cuh), CPU tensors reference/compress.py (online.py).
+
+Eager calls of a signature seen before take the fast path: one dict lookup, then the kernel call.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,11 @@ from typing import Optional, Union
 import torch
 
 from .. import arguments, geometry, library, runtime
-from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..geometry import row_width
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from ..reference import compress as ref_compress
-from . import common
-from .online import compress_forward_online
+from . import common, compressor, online
 
 _OP = "compress_forward"
 
@@ -29,7 +30,7 @@ FAMILY = Family("compress", lambda cfg: [kernel(ratio, hd, cfg.state, cfg.input,
                                           for ratio, hd in cfg.pairs()])
 
 
-def check_ratio(op: str, plan, compress_ratio: int) -> None:
+def check_ratio(op: str, plan, compress_ratio: int, head_dim: int = 0, kv_score_input=None) -> None:
     """compress_ratio is 4 or 128, and the plan's."""
     try:
         geometry.check_ratio(compress_ratio)
@@ -49,6 +50,21 @@ def ring_widths(op: str, message: str, head_dim: int, compress_ratio: int, kv_sc
                          "ape": (ape, head_dim)})
 
 
+def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> None:
+    if plan_w is None:
+        ref_compress.compress_decode(buffer, inputs, ape, plan_rows, head_dim=head_dim, compress_ratio=ratio, out=out)
+    else:
+        ref_compress.compress_prefill(buffer, inputs, ape, plan_rows, plan_w, head_dim=head_dim, compress_ratio=ratio,
+                                      out=out)
+
+
+RING = compressor.Kind(
+    name="ring", check=check_ratio, kernel=kernel, rows_per_page=lambda ratio: ratio, width=row_width,
+    row_dtype=lambda input_dtype: input_dtype, widths=ring_widths, reference=_reference)
+
+_FAST = runtime.call_cache()
+
+
 def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                      plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *, head_dim: int,
                      compress_ratio: int, out: Optional[torch.Tensor] = None,
@@ -61,25 +77,58 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     ape: ``[8, head_dim]`` (c4, rearranged) or ``[128, head_dim]``; converted to the input dtype.
     Returns ``[plan[1].shape[0], head_dim]`` (input dtype unless `out` is given): prefill row i pairs
     with plan_c row i (invalid rows untouched); decode rows off a compress boundary are zero.
+
+    With ``is_online=True`` the online c128 compressor runs instead (ops/online.py): state
+    ``[rows, 1, 3·head_dim]`` (or flat), an online plan, fp32 input, ape and output.
     """
+    if type(head_dim) is int and type(compress_ratio) is int and not library.tracing():
+        try:
+            launch = _FAST[(plan.__class__, head_dim, compress_ratio, is_online, kv_score_buffer.dtype,
+                            kv_score_input.dtype, ape.dtype, kv_score_input.device, out is None or out.dtype)]
+            return launch(kv_score_buffer, kv_score_input, ape, plan, out)
+        except (KeyError, AttributeError, TypeError, ValueError):
+            pass  # a new signature, or an error the full path explains
+    return _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out, is_online)
+
+
+def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out, is_online):
+    """compress_forward with every check; remembers the call's launcher for the fast path."""
     plan = as_plan(_OP, plan)
     if type(head_dim) is not int or type(compress_ratio) is not int or type(is_online) is not bool:
         common.scalars(_OP, {"head_dim": head_dim, "compress_ratio": compress_ratio}, {"is_online": is_online})
-    if is_online:
-        return compress_forward_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim,
-                                       compress_ratio=compress_ratio, out=out)
-    check_ratio(_OP, plan, compress_ratio)
+    kind = online.KIND if is_online else RING
+    given_out = out
+    with arguments.explained(_OP, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",)):
+        kind.check(_OP, plan, compress_ratio, head_dim, kv_score_input)
     try:
-        ape = common.ape_as(_OP, ape, kv_score_input.dtype)
+        row_dtype = kind.row_dtype(kv_score_input.dtype)
+        kernel_ape = common.ape_as(_OP, ape, row_dtype)
         if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
-            out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
-        compress_op(kv_score_buffer, kv_score_input, ape, plan[1], common.write_rows(plan), out, head_dim,
-                    compress_ratio, plan.is_decode)
+            out = torch.empty((plan[1].shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
+        args = (kv_score_buffer, kv_score_input, kernel_ape, plan[1], common.write_rows(plan), out, head_dim)
+        if is_online:
+            online.online_op(*args)
+        else:
+            compress_op(*args, compress_ratio, plan.is_decode)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
-                            lambda text: ring_widths(_OP, text, head_dim, compress_ratio, kv_score_buffer,
+                            lambda text: kind.widths(_OP, text, head_dim, compress_ratio, kv_score_buffer,
                                                      kv_score_input, ape))
+    _remember(kind, plan, head_dim, compress_ratio, is_online, kv_score_buffer, kv_score_input, ape, out, given_out)
     return out
+
+
+def _remember(kind, plan, head_dim, compress_ratio, is_online, buffer, inputs, ape, out, given_out) -> None:
+    """After a successful unchecked eager call on CUDA tensors: the fast path's launcher of its signature."""
+    if not inputs.is_cuda or runtime.checks_enabled() or library.tracing():
+        return
+    key = (plan.__class__, head_dim, compress_ratio, is_online, buffer.dtype, inputs.dtype, ape.dtype, inputs.device,
+           given_out is None or given_out.dtype)
+    name, params = kind.choice(_OP, compress_ratio, head_dim, buffer, inputs, out)
+    fn = runtime.function(name, "decode" if plan.is_decode else "prefill", inputs.device, **params)
+    row_dtype = kind.row_dtype(inputs.dtype)
+    _FAST[key] = compressor.launcher(fn, compress_ratio, head_dim, plan.is_decode,
+                                     None if ape.dtype == row_dtype else row_dtype, row_dtype)
 
 
 @library.custom_op("compress", mutates_args=("kv_score_buffer", "out"))
@@ -87,26 +136,4 @@ def compress_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape
                 plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], out: torch.Tensor, head_dim: int,
                 compress_ratio: int, is_decode: bool) -> None:
     """compress_forward on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode)."""
-    kv_score_buffer = common.state_pool(kv_score_buffer, compress_ratio, row_width(head_dim, compress_ratio))
-    device = common.cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
-    if device is None:
-        _reference(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, head_dim, compress_ratio, out)
-        return
-    name, params = kernel(compress_ratio, head_dim,
-                          common.dtype_name(kv_score_buffer, "kv_score_buffer", _OP, STATE_DTYPES),
-                          common.dtype_name(kv_score_input, "kv_score_input", _OP), common.dtype_name(out, "out", _OP))
-    fn = runtime.function(name, "decode" if is_decode else "prefill", device, **params)
-    status = runtime.status_word(device)
-    if is_decode:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
-    else:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
-    runtime.raise_status(status, _OP, name, device, params)
-
-
-def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> None:
-    if plan_w is None:
-        ref_compress.compress_decode(buffer, inputs, ape, plan_rows, head_dim=head_dim, compress_ratio=ratio, out=out)
-    else:
-        ref_compress.compress_prefill(buffer, inputs, ape, plan_rows, plan_w, head_dim=head_dim, compress_ratio=ratio,
-                                      out=out)
+    compressor.run(RING, _OP, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, head_dim, compress_ratio)

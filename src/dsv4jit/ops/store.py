@@ -4,6 +4,7 @@ reference/store.py."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -25,6 +26,8 @@ def kernel(dtype: str, store_format: str) -> KernelChoice:
 
 FAMILY = Family("store", lambda cfg: [kernel(cfg.output, cfg.store_format(hd)) for _, hd in cfg.pairs()])
 
+_FAST = runtime.call_cache()
+
 
 def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *,
                              norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
@@ -39,6 +42,21 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     kvcache: ``[num_pages, page_bytes]`` uint8 view of the paged cache; formats by head_dim and flags:
     512 -> V4 fp8 latent (or bf16 rows with bf16_store), 128 -> indexer fp8 (or fp4 with use_fp4).
     """
+    if (type(page_size) is int and type(norm_eps) is float and 0.0 <= norm_eps < math.inf and layout == "v4"
+            and fp8_2buff is False and kvcache_rope is None and not library.tracing()):
+        try:
+            launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype,
+                            freq_cis.dtype, kv.device)]
+            return launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size)
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError):
+            pass  # a new signature, or an error the full path explains
+    return _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4,
+                                     bf16_store, layout, fp8_2buff, kvcache_rope)
+
+
+def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4,
+                              bf16_store, layout, fp8_2buff, kvcache_rope) -> None:
+    """compress_norm_rope_store with every check; remembers the call's launcher for the fast path."""
     op = _OP
     unavailable = [(name, value, only) for name, value, only, ok in (
         ("layout", layout, "v4", layout == "v4"), ("fp8_2buff", fp8_2buff, False, not fp8_2buff),
@@ -54,13 +72,34 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
         if kv.dim() != 2:
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
         fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])")
-        if norm_weight.dtype != kv.dtype:
-            norm_weight = norm_weight.to(kv.dtype)
-        store_op(kv, plan[1], norm_weight, common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
+        weight = norm_weight if norm_weight.dtype == kv.dtype else norm_weight.to(kv.dtype)
+        store_op(kv, plan[1], weight, common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
                  plan.compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan))
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), (),
                             lambda text: common.check_freq(op, freq_cis))
+    if kv.is_cuda and not runtime.checks_enabled() and not library.tracing():
+        name, params = kernel(common.dtype_name(kv, "kv", op, STATE_DTYPES), fmt)
+        fn = runtime.function(name, "run", kv.device, **params)
+        _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, freq_cis.dtype,
+               kv.device)] = _launcher(fn, kv.dtype)
+
+
+def _launcher(fn, dtype: torch.dtype):
+    """The fast path's call of a resolved signature (the norm weight converted to the rows' dtype
+    where it differs); it raises, before any launch, what the full path then explains."""
+
+    def launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size):
+        if norm_weight.dtype != dtype:
+            norm_weight = norm_weight.to(dtype)
+        if plan.__class__ is CompressorDecodePlan:
+            fn(kv, plan.plan_d, norm_weight, freq_cis, out_loc, kvcache, None, page_size, plan.compress_ratio, True,
+               norm_eps, -1)
+        else:
+            fn(kv, plan.plan_c, norm_weight, freq_cis, out_loc, kvcache, None, page_size, plan.compress_ratio, False,
+               norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens)
+
+    return launch
 
 
 @library.custom_op("norm_rope_store", mutates_args=("kvcache",))

@@ -91,6 +91,22 @@ class Check {
     return *this;
   }
 
+  /// A pool of `rows_per_page`-row pages of `width` values: [pages, rows_per_page, width], or flat
+  /// [rows, width] with rows a multiple of rows_per_page (the pool as a serving stack allocates it);
+  /// binds `pages`.
+  Check& pool(Size& pages, int64_t rows_per_page, int64_t width) {
+    if (t_.ndim() == 2) {
+      if (t_.size(1) != width || t_.size(0) % rows_per_page != 0) {
+        fail_value("must be [pages, " + std::to_string(rows_per_page) + ", " + std::to_string(width) + "] or flat [rows, " +
+                   std::to_string(width) + "] with rows a multiple of " + std::to_string(rows_per_page));
+      }
+      Size rows{"rows"};
+      shape({rows, width});
+      return bind(pages, rows.value / rows_per_page);
+    }
+    return shape({pages, rows_per_page, width});
+  }
+
   Check& dtype(DLDataType expected) {
     if (!same_dtype(t_.dtype(), expected)) fail_type("dtype must be " + dtype_str(expected) + ", got " + dtype_str(t_.dtype()));
     return *this;
@@ -109,6 +125,18 @@ class Check {
   Check& cuda(Device& dev) {
     if (t_.device().device_type != kDLCUDA) fail_type("must be a CUDA tensor, got device " + device_str(t_.device()));
     return same_device(dev);
+  }
+
+  /// Binds `size` to `value` (a size derived from this argument's shape), or checks it against its binding.
+  Check& bind(Size& size, int64_t value) {
+    if (!size.bound()) {
+      size.value = value;
+      size.bound_by = arg_;
+    } else if (size.value != value) {
+      fail_value(std::string("'") + size.name + "' must be " + std::to_string(size.value) + " (as in '" +
+                 size.bound_by + "'), got " + std::to_string(value));
+    }
+    return *this;
   }
 
   /// In host memory (pageable or pinned).

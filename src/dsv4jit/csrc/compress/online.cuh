@@ -79,10 +79,11 @@ struct Kernels {
 
   static DSV4_DEV bool state_row_ok(const Params& p, int32_t row) { return row >= 0 && row < p.num_state_rows; }
 
-  /// A stored state row as a partial: {m, s, k·s}.
-  template <int C>
-  static DSV4_DEV SoftmaxPartial<C> load_state(const Params& p, int32_t row, int channel) {
-    const BufferT* src = static_cast<const BufferT*>(p.state) + int64_t{row} * 3 * kHeadDim + channel;
+  /// A stored state row as a partial: {m, s, k·s}. `P`: any parameters with the pool as `state`
+  /// (this compressor's, or the speculative-decoding ops' of online_mtp.cuh).
+  template <int C, typename P>
+  static DSV4_DEV SoftmaxPartial<C> load_state(const P& p, int64_t row, int channel) {
+    const BufferT* src = static_cast<const BufferT*>(p.state) + row * 3 * kHeadDim + channel;
     const Vec<BufferT, C> m = load_vec<C>(src), s = load_vec<C>(src + kHeadDim), k = load_vec<C>(src + 2 * kHeadDim);
     SoftmaxPartial<C> part;
 #pragma unroll
@@ -94,9 +95,9 @@ struct Kernels {
     return part;
   }
 
-  template <int C>
-  static DSV4_DEV void store_state(const Params& p, int32_t row, int channel, const SoftmaxPartial<C>& part) {
-    BufferT* dst = static_cast<BufferT*>(p.state) + int64_t{row} * 3 * kHeadDim + channel;
+  template <int C, typename P>
+  static DSV4_DEV void store_state(const P& p, int64_t row, int channel, const SoftmaxPartial<C>& part) {
+    BufferT* dst = static_cast<BufferT*>(p.state) + row * 3 * kHeadDim + channel;
     Vec<BufferT, C> m, s, k;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -111,9 +112,9 @@ struct Kernels {
 
   using OutputRows = dsv4::OutputRows<Params, float, kHeadDim>;  // compress_forward's
 
-  /// kv and z = score + ape[offset] of one input token.
-  template <int C>
-  static DSV4_DEV void load_token(const Params& p, int64_t ragged_row, int offset, int channel, float (&kv)[C],
+  /// kv and z = score + ape[offset] of one input token (`P`: parameters with `input` and `ape`).
+  template <int C, typename P>
+  static DSV4_DEV void load_token(const P& p, int64_t ragged_row, int offset, int channel, float (&kv)[C],
                                   float (&z)[C]) {
     const float* row = p.input + ragged_row * 2 * kHeadDim + channel;
     const Vec<float, C> k = load_vec<C>(row), sc = load_vec<C>(row + kHeadDim);
@@ -264,7 +265,7 @@ struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
                        const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
                        Size& out_rows) {
     Size state_rows{"num_state_rows"};
-    Check(op, "kv_score_buffer", state).shape({state_rows, 1, 3 * kHeadDim}).dtype(DTypeInfo<BufferT>::dtype)
+    Check(op, "kv_score_buffer", state).pool(state_rows, 1, 3 * kHeadDim).dtype(DTypeInfo<BufferT>::dtype)
         .cuda(dev).contiguous().aligned();
     Check(op, "kv_score_input", input).shape({input_rows, 2 * kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous()
         .aligned();

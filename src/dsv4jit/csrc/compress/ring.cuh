@@ -239,8 +239,11 @@ struct Kernels {
   /// The plan rows and tokens are inputs of the step, complete before the pool pass began (it waited
   /// for them) and written by no kernel running now: after a pool pass they load before this pass
   /// waits for it, and only the stores (which may overwrite rows it reads) follow it.
-  static DSV4_DEV void prefill_write(const Params& p) {
-    const Lane lane = Lane::of(4, 1);  // one warp per (row, slice) here
+  static constexpr int kWriteUnitsPerBlock = 4;  // one warp per (row, slice) here
+
+  /// `block`: this block's index in the pass (blockIdx.x, unless the grid runs two passes).
+  static DSV4_DEV void prefill_write(const Params& p, uint32_t block) {
+    const Lane lane = Lane::of(kWriteUnitsPerBlock, 1, block);
     WaitUpstreamOnExit<kPDL> wait_on_exit{p.after_pool};
     if (!p.after_pool) pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
@@ -344,8 +347,8 @@ __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void prefill_pool_kerne
 }
 
 template <typename K>
-__global__ __launch_bounds__(4 * kWarpSize) void prefill_write_kernel(const __grid_constant__ Params p) {
-  K::prefill_write(p);
+__global__ __launch_bounds__(K::kWriteUnitsPerBlock * kWarpSize) void prefill_write_kernel(const __grid_constant__ Params p) {
+  K::prefill_write(p, blockIdx.x);
 }
 
 template <typename K>
@@ -368,7 +371,7 @@ struct Compress : CompressorEntry<Compress<kRatio, kHeadDim, BufferT, InT, OutT,
                        Size& out_rows) {
     Params p{};
     Size pages{"num_pages"};
-    Check(op, "kv_score_buffer", state).shape({pages, kRatio, W::kRowWidth}).dtype(DTypeInfo<BufferT>::dtype)
+    Check(op, "kv_score_buffer", state).pool(pages, kRatio, W::kRowWidth).dtype(DTypeInfo<BufferT>::dtype)
         .cuda(dev).contiguous().aligned();
     Check(op, "kv_score_input", input).shape({input_rows, W::kRowWidth}).dtype(DTypeInfo<InT>::dtype).cuda(dev)
         .contiguous().aligned();
@@ -390,8 +393,11 @@ struct Compress : CompressorEntry<Compress<kRatio, kHeadDim, BufferT, InT, OutT,
   }
 
   static void launch_write(const char* op, const Device& dev, const Params& p) {
-    launch(op, dev.dev, {blocks(p.num_rows, 4), 4 * kWarpSize}, kPDL, prefill_write_kernel<K>, p);
+    launch(op, dev.dev, {write_blocks(p.num_rows), K::kWriteUnitsPerBlock * kWarpSize}, kPDL, prefill_write_kernel<K>,
+           p);
   }
+
+  static unsigned write_blocks(uint64_t rows) { return blocks(rows, K::kWriteUnitsPerBlock); }
 
   static void launch_decode(const char* op, const Device& dev, const Params& p) {
     launch(op, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);

@@ -16,8 +16,13 @@ struct UnitLane {
 
   /// Units of `warps_per_unit` warps, `units_per_block` to a block, numbered over (row, slice).
   DSV4_DEV static UnitLane of(int units_per_block, int warps_per_unit) {
+    return of(units_per_block, warps_per_unit, blockIdx.x);
+  }
+
+  /// As the lane of block `block` of the pass's grid (a grid that runs two passes, fused/layer.cuh).
+  DSV4_DEV static UnitLane of(int units_per_block, int warps_per_unit, uint32_t block) {
     const int warp = threadIdx.x / kWarpSize;
-    const uint64_t unit = uint64_t{blockIdx.x} * units_per_block + warp / warps_per_unit;
+    const uint64_t unit = uint64_t{block} * units_per_block + warp / warps_per_unit;
     const int slice = static_cast<int>(unit % kSlices);
     return {static_cast<uint32_t>(unit / kSlices), warp % warps_per_unit, first_channel(slice)};
   }

@@ -20,8 +20,8 @@
 // Prefill is this kernel followed by the compressor's write pass in stream order: this step's
 // state writes may alias rows that the pooling still reads (a request ring, an online state row).
 // Where one kernel measured slower than the two steps (ring c128 prefill and large decode batches,
-// online prefills of few rows), the op calls the *_two_step entries instead: the same checks,
-// then the compressor's kernels and the store kernel.
+// online prefills of few rows), the op passes a buffer for the compressed rows and the entry runs
+// the two steps instead: the same checks, then the compressor's kernels and the store kernel.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -247,7 +247,12 @@ struct RingPass {
   }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
-    const auto lane = K::Lane::of(K::kUnitsPerBlock, W::kWarpsPerUnit);
+    pool_block(c, sink, blockIdx.x);
+  }
+  /// As block `block` of the pass (fused/layer.cuh runs two passes in one grid).
+  template <typename Sink>
+  static DSV4_DEV void pool_block(const Params& c, Sink& sink, uint32_t block) {
+    const auto lane = K::Lane::of(K::kUnitsPerBlock, W::kWarpsPerUnit, block);
     if constexpr (kDecode) {
       K::decode(c, lane, sink);
     } else {
@@ -294,101 +299,93 @@ struct OnlinePass {
   }
 };
 
-/// Host entry points over a compressor's prefill and decode pass launchers: every tensor of both
-/// steps is checked before any launch. The compressed rows take the store's dtype (InT). The
-/// *_two_step entries run the compressor's own kernels into `rows` and then the store kernel,
-/// for the calls where that measured faster than one fused kernel (the rule: ops/fused.py).
+/// The host entry point over a compressor's prefill and decode pass launchers: every tensor of both
+/// steps is checked before any launch. The compressed rows take the store's dtype (InT). With a
+/// `rows` buffer it runs the compressor's own kernels into it and then the store kernel, for the
+/// calls where that measured faster than one fused kernel (the rule: ops/fused.py).
 template <typename PrefillPass, typename DecodePass, typename InT, store::Format F, bool kPDL, int kRatio>
 struct Entry {
   using Compressor = typename PrefillPass::Compressor;
   using Store = store::NormRopeStore<InT, F, kPDL>;
   static constexpr const char* kOp = "compress_and_store";
 
-  /// Fills the store half of `p` for the plan rows (`rows` of them); status (checked mode):
-  /// int32[2], compress violations in word 0, store violations in word 1.
+  /// Fills the store half of `p` for the plan rows (`rows` of them).
   template <typename P>
-  static void add_store(P& p, Device& dev, Size& rows, const TensorView& plan, const TensorView& norm_weight,
-                        const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache,
-                        const Optional<TensorView>& status, int64_t page_size, bool is_decode, double eps,
+  static void add_store(const char* op, P& p, Device& dev, Size& rows, const TensorView& plan,
+                        const TensorView& norm_weight, const TensorView& freq, const TensorView& out_loc,
+                        const TensorView& kvcache, int64_t page_size, bool is_decode, double eps,
                         int64_t num_q_tokens) {
-    int32_t* words = status_words(kOp, dev, status, 2);
-    p.c.status = words;
-    p.s = Store::checked(kOp, rows, dev, plan, norm_weight, freq, out_loc, kvcache, words ? words + 1 : nullptr,
-                         page_size, kRatio, is_decode, eps, num_q_tokens);
+    p.s = Store::checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, nullptr, page_size, kRatio,
+                         is_decode, eps, num_q_tokens);
   }
 
-  /// Checks both steps of a prefill (`rows`: the compressed rows, or nullptr when fused).
+  /// Checked mode: the compress violations go to words[0], the store violations to words[1].
+  template <typename P>
+  static void attach_status(P& p, int32_t* words) {
+    p.c.status = words;
+    p.s.status = words ? words + 1 : nullptr;
+  }
+
+  /// Checks both steps of a prefill (`rows`: the compressed rows, or nullptr when fused), naming `op`.
   static Params<typename PrefillPass::Params> prefill_params(
-      Device& dev, Size& rows_w, const TensorView& kv_score_buffer, const TensorView& kv_score_input,
+      const char* op, Device& dev, Size& rows_w, const TensorView& kv_score_buffer, const TensorView& kv_score_input,
       const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w, const TensorView* rows,
       const TensorView& norm_weight, const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache,
-      const Optional<TensorView>& status, int64_t page_size, double eps, int64_t num_q_tokens) {
+      int64_t page_size, double eps, int64_t num_q_tokens) {
     Size rows_c{"plan_c_rows"};
     Params<typename PrefillPass::Params> p{};
-    p.c = Compressor::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, rows, nullptr,
+    p.c = Compressor::prefill_params(op, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, rows, nullptr,
                                      rows_c, rows_w);
-    add_store(p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, status, page_size, false, eps,
-              num_q_tokens);
+    add_store(op, p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, page_size, false, eps, num_q_tokens);
     if (rows != nullptr) p.s.kv = rows->data_ptr();
     return p;
   }
 
   /// Checks both steps of a decode (`rows` as in prefill_params).
   static Params<typename DecodePass::Params> decode_params(
-      Device& dev, const TensorView& kv_score_buffer, const TensorView& kv_score_input, const TensorView& ape,
-      const TensorView& plan_d, const TensorView* rows, const TensorView& norm_weight, const TensorView& freq,
-      const TensorView& out_loc, const TensorView& kvcache, const Optional<TensorView>& status, int64_t page_size,
-      double eps) {
+      const char* op, Device& dev, const TensorView& kv_score_buffer, const TensorView& kv_score_input,
+      const TensorView& ape, const TensorView& plan_d, const TensorView* rows, const TensorView& norm_weight,
+      const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache, int64_t page_size, double eps) {
     Size batch{"batch_size"};
     Params<typename DecodePass::Params> p{};
-    p.c = Compressor::decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, rows, nullptr, batch);
-    add_store(p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, status, page_size, true, eps, -1);
+    p.c = Compressor::decode_params(op, dev, kv_score_buffer, kv_score_input, ape, plan_d, rows, nullptr, batch);
+    add_store(op, p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, page_size, true, eps, -1);
     if (rows != nullptr) p.s.kv = rows->data_ptr();
     return p;
   }
 
-  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
-                      TensorView plan_w, TensorView norm_weight, TensorView freq, TensorView out_loc,
-                      TensorView kvcache, Optional<TensorView> status, int64_t page_size, double eps,
-                      int64_t num_q_tokens) {
+  /// The one entry point of every fused module (bindings by name on the Python side): decode when
+  /// plan_w is absent, prefill otherwise; one fused kernel, or with a `rows` buffer [plan rows, hd]
+  /// of InT the two steps (the compressor's kernels into `rows`, then the store kernel).
+  static void run(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_rows,
+                  Optional<TensorView> plan_w, Optional<TensorView> rows, TensorView norm_weight, TensorView freq,
+                  TensorView out_loc, TensorView kvcache, Optional<TensorView> status, int64_t page_size, double eps,
+                  int64_t num_q_tokens) {
     Device dev;
+    const TensorView* buffer = rows.has_value() ? &rows.value() : nullptr;
+    if (!plan_w.has_value()) {
+      auto p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, buffer, norm_weight, freq,
+                             out_loc, kvcache, page_size, eps);
+      attach_status(p, status_words(kOp, dev, status, 2));
+      if (buffer == nullptr) {
+        DecodePass::run(kOp, dev.dev, kPDL, p);
+      } else {
+        Compressor::launch_decode(kOp, dev, p.c);
+        Store::launch_store(kOp, dev, p.s);
+      }
+      return;
+    }
     Size rows_w{"plan_w_rows"};
-    const auto p = prefill_params(dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, nullptr,
-                                  norm_weight, freq, out_loc, kvcache, status, page_size, eps, num_q_tokens);
-    PrefillPass::run(kOp, dev.dev, kPDL, p);
-    Compressor::launch_write(kOp, dev, Compressor::write_pass(p.c, rows_w.value));
-  }
-
-  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
-                     TensorView norm_weight, TensorView freq, TensorView out_loc, TensorView kvcache,
-                     Optional<TensorView> status, int64_t page_size, double eps) {
-    Device dev;
-    const auto p = decode_params(dev, kv_score_buffer, kv_score_input, ape, plan_d, nullptr, norm_weight, freq, out_loc,
-                                 kvcache, status, page_size, eps);
-    DecodePass::run(kOp, dev.dev, kPDL, p);
-  }
-
-  static void prefill_two_step(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape,
-                               TensorView plan_c, TensorView plan_w, TensorView rows, TensorView norm_weight,
-                               TensorView freq, TensorView out_loc, TensorView kvcache, Optional<TensorView> status,
-                               int64_t page_size, double eps, int64_t num_q_tokens) {
-    Device dev;
-    Size rows_w{"plan_w_rows"};
-    const auto p = prefill_params(dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &rows,
-                                  norm_weight, freq, out_loc, kvcache, status, page_size, eps, num_q_tokens);
-    Compressor::launch_prefill(kOp, dev, p.c, rows_w.value);
-    Store::launch_store(kOp, dev, p.s);
-  }
-
-  static void decode_two_step(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape,
-                              TensorView plan_d, TensorView rows, TensorView norm_weight, TensorView freq,
-                              TensorView out_loc, TensorView kvcache, Optional<TensorView> status, int64_t page_size,
-                              double eps) {
-    Device dev;
-    const auto p = decode_params(dev, kv_score_buffer, kv_score_input, ape, plan_d, &rows, norm_weight, freq, out_loc,
-                                 kvcache, status, page_size, eps);
-    Compressor::launch_decode(kOp, dev, p.c);
-    Store::launch_store(kOp, dev, p.s);
+    auto p = prefill_params(kOp, dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w.value(), buffer,
+                            norm_weight, freq, out_loc, kvcache, page_size, eps, num_q_tokens);
+    attach_status(p, status_words(kOp, dev, status, 2));
+    if (buffer == nullptr) {
+      PrefillPass::run(kOp, dev.dev, kPDL, p);
+      Compressor::launch_write(kOp, dev, Compressor::write_pass(p.c, rows_w.value));
+    } else {
+      Compressor::launch_prefill(kOp, dev, p.c, rows_w.value);
+      Store::launch_store(kOp, dev, p.s);
+    }
   }
 };
 

@@ -191,7 +191,10 @@ struct NormRopeStore {
     Check(op, "plan[1]", plan).shape({rows, 16}).dtype(dl::kU8).cuda(dev).contiguous().aligned();
     Check(op, "norm_weight", norm_weight).shape({L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous()
         .aligned();
-    Check(op, "freq_cis", freq).shape({max_pos, kRopeDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+    // torch's complex64 freqs_cis [max_pos, 32], or its fp32 view [max_pos, 64] of interleaved (cos, sin)
+    const bool complex = same_dtype(freq.dtype(), dl::kC64);
+    Check(op, "freq_cis", freq).dtype_in({dl::kC64, dl::kF32}).shape({max_pos, complex ? kRopeDim / 2 : kRopeDim})
+        .cuda(dev).contiguous().aligned();
     Check(op, "out_loc", out_loc).shape({locs}).dtype_in({dl::kI32, dl::kI64}).cuda(dev).contiguous();
     Check(op, "kvcache", kvcache).shape({pages, page_bytes}).dtype(dl::kU8).cuda(dev).contiguous().aligned();
     if (is_decode) {
@@ -222,7 +225,8 @@ struct NormRopeStore {
     return p;
   }
 
-  /// kv [rows, hd]; plan rows (CompressPlan in prefill, DecodePlan in decode); freq fp32 [max_pos, 64];
+  /// kv [rows, hd]; plan rows (CompressPlan in prefill, DecodePlan in decode); freq complex64 [max_pos, 32]
+  /// or fp32 [max_pos, 64];
   /// out_loc int32/int64 (prefill: >= num_q_tokens entries, indexed by ragged id; decode: one per row);
   /// kvcache u8 [num_pages, page_bytes].
   static void run(TensorView kv, TensorView plan, TensorView norm_weight, TensorView freq, TensorView out_loc,

@@ -1,0 +1,194 @@
+"""``compress_and_store_c4_layer``: a c4 layer's two compressor steps — the core latent (head_dim 512,
+V4 cache) and the indexer keys (head_dim 128, indexer cache) — in one op and one launch per pass
+(csrc/fused/layer.cuh), over the layer's one plan. Each compressor's caches and states are
+byte-identical to its own ``compress_and_store`` call. CPU tensors run the two ``compress_and_store``
+references, every argument of both checked before either writes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from .. import arguments, library, runtime
+from ..arguments import STATE_DTYPES
+from ..family import Family, KernelChoice
+from ..geometry import INDEXER_HEAD_DIM, V4_HEAD_DIM
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
+from . import common
+from .fused import DESCRIBE, fused_op
+
+_OP = "compress_and_store_c4_layer"
+RATIO = 4
+_CORE = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "out_loc", "kvcache")
+_INDEXER = tuple(f"indexer_{name}" for name in _CORE)
+_SHARED = ("plan", "freq_cis")
+_PLAN_FIELDS = {"plan_c": "plan", "plan_w": "plan", "plan_d": "plan"}
+
+
+def kernel(core_format: str, indexer_format: str, state: str, input: str) -> KernelChoice:
+    """The variant a call runs (dtypes by kernel name: ``fp32``, ``bf16``)."""
+    return "fused_c4_layer", {"core_format": core_format, "indexer_format": indexer_format, "state": state,
+                              "input": input}
+
+
+FAMILY = Family("c4_layer", lambda cfg: [kernel(cfg.store_format(V4_HEAD_DIM), cfg.store_format(INDEXER_HEAD_DIM),
+                                                cfg.state, cfg.input)]
+                if {V4_HEAD_DIM, INDEXER_HEAD_DIM} <= set(cfg.head_dims.get(RATIO, ())) else [])
+
+_FAST = runtime.call_cache()
+
+
+def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+                                indexer_kv_score_buffer: torch.Tensor, indexer_kv_score_input: torch.Tensor,
+                                indexer_ape: torch.Tensor, plan: Union[CompressorPrefillPlan, CompressorDecodePlan],
+                                *, norm_weight: torch.Tensor, indexer_norm_weight: torch.Tensor, norm_eps: float,
+                                freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
+                                indexer_kvcache: torch.Tensor, indexer_out_loc: Optional[torch.Tensor] = None,
+                                indexer_page_size: Optional[int] = None, use_fp4: bool = False,
+                                bf16_store: bool = False) -> None:
+    """``compress_and_store`` of a c4 layer's core compressor (head_dim 512: the first six tensors,
+    V4 cache, ``bf16_store``) and of its indexer (head_dim 128: the ``indexer_*`` tensors, indexer
+    cache, ``use_fp4``), both on the layer's c4 `plan`, with one rope table and norm epsilon.
+    ``indexer_out_loc`` and ``indexer_page_size`` default to the core's. Decode is one launch;
+    prefill two (both pool-and-store passes, then both state-ring write passes)."""
+    indexer_out_loc = out_loc if indexer_out_loc is None else indexer_out_loc
+    indexer_page_size = page_size if indexer_page_size is None else indexer_page_size
+    if (type(page_size) is int and type(indexer_page_size) is int and type(norm_eps) is float
+            and 0.0 <= norm_eps < math.inf and not library.tracing()):
+        try:
+            launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv_score_buffer.dtype, kv_score_input.dtype,
+                            ape.dtype, norm_weight.dtype, indexer_ape.dtype, indexer_norm_weight.dtype,
+                            freq_cis.dtype, kv_score_input.device)]
+            return launch(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size,
+                          indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight,
+                          indexer_out_loc, indexer_kvcache, indexer_page_size, plan, freq_cis, norm_eps)
+        except (KeyError, AttributeError, TypeError, ValueError):
+            pass  # a new signature, or an error the full path explains
+    return _layer(locals())
+
+
+def _layer(given: dict) -> None:
+    """The full path: every check, then the custom op (the kernel, or on the CPU the two steps'
+    references); remembers the call's launcher for the fast path."""
+    op, g = _OP, given
+    plan = as_plan(op, g["plan"])
+    for name in ("page_size", "indexer_page_size"):
+        arguments.integer(op, name, g[name])
+    for name in ("use_fp4", "bf16_store"):
+        arguments.flag(op, name, g[name])
+    eps = arguments.nonnegative(op, "norm_eps", g["norm_eps"])
+    arguments.tensors(op, {name: g[name] for name in (*_CORE, *_INDEXER, "freq_cis")})
+    if plan.compress_ratio != RATIO:
+        raise ValueError(f"dsv4jit.{op}: argument 'plan' must be a c4 plan, got compress_ratio {plan.compress_ratio}")
+    core_format = common.store_format(op, V4_HEAD_DIM, False, g["bf16_store"], "head_dim")
+    indexer_format = common.store_format(op, INDEXER_HEAD_DIM, g["use_fp4"], False, "head_dim")
+    dtype = g["kv_score_input"].dtype
+    t = {name: g[name] for name in (*_CORE, *_INDEXER)}
+    for name in ("ape", "indexer_ape", "norm_weight", "indexer_norm_weight"):
+        if t[name].dtype != dtype and t[name].dtype.is_floating_point:
+            t[name] = t[name].to(dtype)
+    try:
+        layer_op(*(t[name] for name in _CORE), g["page_size"], *(t[name] for name in _INDEXER),
+                 g["indexer_page_size"], plan[1], common.write_rows(plan), common.freq_table(g["freq_cis"]), eps,
+                 common.num_q_tokens(plan), core_format, indexer_format)
+    except (ValueError, TypeError, AttributeError) as e:
+        common.check_freq(op, g["freq_cis"])
+        # an indexer argument that defaulted to the core's is reported under the name the caller gave
+        same = {name for name in ("out_loc", "page_size") if g["indexer_" + name] is g[name]}
+        raise _reworded(e, same) from None
+    if g["kv_score_input"].is_cuda and not runtime.checks_enabled() and not library.tracing():
+        key = (plan.__class__, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"].dtype, dtype, g["ape"].dtype,
+               g["norm_weight"].dtype, g["indexer_ape"].dtype, g["indexer_norm_weight"].dtype, g["freq_cis"].dtype,
+               g["kv_score_input"].device)
+        name, params = _choice(core_format, indexer_format, g["kv_score_buffer"], g["kv_score_input"])
+        _FAST[key] = _launcher(runtime.function(name, "run", g["kv_score_input"].device, **params), dtype)
+
+
+def _choice(core_format: str, indexer_format: str, state: torch.Tensor, inputs: torch.Tensor) -> KernelChoice:
+    return kernel(core_format, indexer_format, common.dtype_name(state, "kv_score_buffer", _OP, STATE_DTYPES),
+                  common.dtype_name(inputs, "kv_score_input", _OP, STATE_DTYPES))
+
+
+def _reworded(error: Exception, same: set = frozenset()) -> Exception:
+    """An error of the core (``[core]``) or the indexer (``[indexer]``) step as the layer op's own:
+    the indexer's arguments get their ``indexer_`` names, except those in `same` (the caller passed
+    one value for both) and the shared plan and rope table."""
+    text = str(error)
+    for part, prefix in (("[core]", ""), ("[indexer]", "indexer_")):
+        head = f"dsv4jit.{_OP}{part}: argument '"
+        if text.startswith(head):
+            name = text[len(head):].split("'", 1)[0]
+            shared = name in _SHARED or name in same or name.startswith("plan")
+            text = f"dsv4jit.{_OP}: argument '{name if shared else prefix + name}'" + text[len(head) + len(name):]
+        text = text.replace(f"dsv4jit.{_OP}{part}", f"dsv4jit.{_OP} ({part[1:-1]})")
+    return type(error)(text)
+
+
+@library.custom_op("compress_and_store_c4_layer",
+                   mutates_args=("kv_score_buffer", "kvcache", "indexer_kv_score_buffer", "indexer_kvcache"))
+def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
+             norm_weight: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
+             indexer_kv_score_buffer: torch.Tensor, indexer_kv_score_input: torch.Tensor, indexer_ape: torch.Tensor,
+             indexer_norm_weight: torch.Tensor, indexer_out_loc: torch.Tensor, indexer_kvcache: torch.Tensor,
+             indexer_page_size: int, plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], freq: torch.Tensor,
+             norm_eps: float, num_q_tokens: int, core_format: str, indexer_format: str) -> None:
+    """compress_and_store_c4_layer on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
+    device = common.cuda_device(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache,
+                                indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight,
+                                indexer_out_loc, indexer_kvcache, plan_rows, plan_w, freq)
+    if device is None:  # the indexer into copies first: a bad argument of either step writes nothing
+        staged_state, staged_cache = indexer_kv_score_buffer.clone(), indexer_kvcache.clone()
+        steps = ((f"{_OP}[indexer]", INDEXER_HEAD_DIM, indexer_format, staged_state, indexer_kv_score_input,
+                  indexer_ape, indexer_norm_weight, indexer_out_loc, staged_cache, indexer_page_size),
+                 (f"{_OP}[core]", V4_HEAD_DIM, core_format, kv_score_buffer, kv_score_input, ape, norm_weight, out_loc,
+                  kvcache, page_size))
+        for step, hd, fmt, state, inputs, step_ape, weight, locs, cache, page in steps:
+            try:
+                fused_op.impl(state, inputs, step_ape, plan_rows, plan_w, weight, freq, locs, cache, fmt, page, hd,
+                              RATIO, plan_w is None, norm_eps, num_q_tokens)
+            except (ValueError, TypeError) as e:
+                raise arguments.reworded(step, e, (*_CORE, "freq_cis", "page_size"), _PLAN_FIELDS) from None
+        indexer_kv_score_buffer.copy_(staged_state)
+        indexer_kvcache.copy_(staged_cache)
+        return
+    name, params = _choice(core_format, indexer_format, kv_score_buffer, kv_score_input)
+    status = runtime.status_word(device, words=4)
+    _launcher(runtime.function(name, "run", device, **params), kv_score_input.dtype)(
+        kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size, indexer_kv_score_buffer,
+        indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size,
+        (RATIO, plan_rows, plan_w, num_q_tokens), freq, norm_eps, status)
+    if status is not None and any(status.tolist()):
+        describe = [runtime.function(name, DESCRIBE[i % 2], device, **params) for i in range(4)]
+        texts = [f"{'core' if i < 2 else 'indexer'}: {describe[i](w)}" for i, w in enumerate(status.tolist()) if w]
+        raise ValueError(f"dsv4jit.{_OP} (checked mode): {'; '.join(texts)}")
+
+
+def _launcher(fn, row_dtype: torch.dtype):
+    """A call of the layer kernel; `plan` a plan object, or (ratio, plan_rows, plan_w, num_q_tokens)
+    unpacked. ape and the norm weights are converted to the rows' dtype where they differ."""
+
+    def launch(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight,
+               i_out_loc, i_kvcache, i_page_size, plan, freq_cis, norm_eps, status=None):
+        if plan.__class__ is tuple:
+            ratio, rows, plan_w, num_q = plan
+        else:
+            ratio, rows = plan.compress_ratio, plan[1]
+            plan_w = None if plan.__class__ is CompressorDecodePlan else plan.plan_w
+            num_q = -1 if plan_w is None or plan.num_q_tokens is None else plan.num_q_tokens
+        if ratio != RATIO:
+            raise ValueError("not a c4 plan")
+        if ape.dtype != row_dtype:
+            ape = ape.to(row_dtype)
+        if i_ape.dtype != row_dtype:
+            i_ape = i_ape.to(row_dtype)
+        if weight.dtype != row_dtype:
+            weight = weight.to(row_dtype)
+        if i_weight.dtype != row_dtype:
+            i_weight = i_weight.to(row_dtype)
+        fn(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight, i_out_loc,
+           i_kvcache, i_page_size, rows, plan_w, freq_cis, norm_eps, num_q, status)
+
+    return launch
