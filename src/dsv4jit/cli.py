@@ -8,7 +8,7 @@ cache). Exit codes:
   or another `DSV4JITError` (its message, no traceback);
 * 2: the command cannot run as asked, and the message says what to change: an argument (argparse's
   own errors, and a `UsageError` raised here while parsing or validating one), a ``DSV4JIT_*``
-  setting (`env.SettingError`), or a missing compiler (`DSV4JITToolchainError`);
+  setting (`DSV4JITSettingError`), or a missing compiler (`DSV4JITToolchainError`);
 * 3: a bug in dsv4jit: any other exception, a ValueError from inside the library included, with
   its traceback.
 """
@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 
 from . import __version__, env
-from .errors import DSV4JITError, DSV4JITToolchainError
+from .errors import DSV4JITError, DSV4JITSettingError, DSV4JITToolchainError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
@@ -46,14 +46,11 @@ ARCH_DEFAULT = f"(default: DSV4JIT_CUDA_ARCH, else auto; with no GPU visible: {N
 
 
 def _archs(text: str | None) -> list:
-    from .jit.toolchain import Arch, device_arch
+    from .jit.toolchain import Arch, device_arch, forced_arch
 
     if text in (None, ""):
-        if forced := env.cuda_arch():
-            try:
-                return [Arch.parse(forced)]
-            except ValueError as e:
-                raise env.SettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
+        if forced := forced_arch():
+            return [forced]
         text = "auto"
     if text == "auto":
         import torch
@@ -441,11 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, env.log_level(), logging.INFO), format="%(message)s",
-                        stream=sys.stderr)
     try:
+        logging.basicConfig(level=env.log_level(), format="%(message)s", stream=sys.stderr)
         return args.func(args)
-    except (UsageError, env.SettingError, DSV4JITToolchainError) as e:
+    except (UsageError, DSV4JITSettingError, DSV4JITToolchainError) as e:
         print(f"dsv4jit: {e}", file=sys.stderr)
         return EXIT_USAGE
     except DSV4JITError as e:

@@ -2,8 +2,8 @@
 
 Each build runs under its own key lock (build.py), so the builds of one batch run in parallel and
 cooperate with other processes building the same keys. A build that fails with a `DSV4JITError` is
-an outcome of the batch; any other exception (a bug, Ctrl-C) cancels the builds not yet started
-and propagates.
+an outcome of the batch. A setting error (the same for every build) or any other exception (a bug,
+Ctrl-C) cancels the builds not yet started and propagates.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITError
+from ..errors import DSV4JITError, DSV4JITSettingError
 from . import build, loader
 from .loader import Resolution
 from .registry import Variant
@@ -113,6 +113,8 @@ def _outcome(res: Resolution, future: Future) -> Outcome:
         return Outcome(res, "cancelled")
     try:
         built, seconds = future.result()
+    except DSV4JITSettingError:
+        raise
     except DSV4JITError as e:
         return Outcome(res, "failed", error=e)
     return Outcome(res, "built" if built.compiled else "cached", built, seconds)

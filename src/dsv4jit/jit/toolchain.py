@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITToolchainError
+from ..errors import DSV4JITSettingError, DSV4JITToolchainError
 
 _NVCC_SEARCH = "DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda"
 
@@ -84,10 +84,21 @@ def device_arch(index: int) -> Arch:
     return Arch.from_capability(major, minor)
 
 
+def forced_arch() -> Arch | None:
+    """The arch ``DSV4JIT_CUDA_ARCH`` names, or None when it is unset."""
+    text = env.cuda_arch()
+    if text is None:
+        return None
+    try:
+        return Arch.parse(text)
+    except ValueError as e:
+        raise DSV4JITSettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
+
+
 def resolve_arch(device_index: int | None = None) -> Arch:
     """``DSV4JIT_CUDA_ARCH`` if set, else the arch of the given (or current) CUDA device."""
-    if forced := env.cuda_arch():
-        return Arch.parse(forced)
+    if forced := forced_arch():
+        return forced
     import torch
 
     if not torch.cuda.is_available():
@@ -146,21 +157,32 @@ def _run(cmd: list[str]) -> str:
     return res.stdout + res.stderr
 
 
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
 def _find_nvcc() -> Path:
-    candidates: list[str] = []
+    """The nvcc that the first of DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH that is set names (never passed
+    over for another toolkit); with none set, nvcc on PATH, else /usr/local/cuda's."""
     if explicit := env.nvcc():
-        candidates.append(explicit)
-    candidates += [os.path.join(h, "bin", "nvcc") for h in env.cuda_homes()]
-    if on_path := shutil.which("nvcc"):
-        candidates.append(on_path)
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    for c in candidates:
-        p = Path(c)
-        if p.is_file() and os.access(p, os.X_OK):
-            return p.absolute()
+        return _named_nvcc("DSV4JIT_NVCC", explicit, explicit)
+    if homes := env.cuda_homes():
+        name, home = homes[0]
+        return _named_nvcc(name, home, os.path.join(home, "bin", "nvcc"))
+    for candidate in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and _executable(candidate):
+            return Path(candidate).absolute()
     raise DSV4JITToolchainError(
         f"nvcc not found (looked at {_NVCC_SEARCH}); install the CUDA toolkit or precompile this "
         "variant where one exists: python -m dsv4jit precompile --arch 9.0a")
+
+
+def _named_nvcc(variable: str, value: str, nvcc: str) -> Path:
+    if not _executable(nvcc):
+        raise DSV4JITToolchainError(f"{variable}={value!r} names no nvcc ({nvcc} is not an executable file); "
+                                    f"set it to {'an nvcc' if variable == 'DSV4JIT_NVCC' else 'a CUDA toolkit'}, "
+                                    "or unset it")
+    return Path(nvcc).absolute()
 
 
 @dataclass(frozen=True)
