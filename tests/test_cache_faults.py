@@ -8,7 +8,9 @@ file, so every test can assert how many compiles a fault cost.
 
 from __future__ import annotations
 
+import builtins
 import errno
+import io
 import json
 import logging
 import os
@@ -25,8 +27,8 @@ import pytest
 from child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
 from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
 from dsv4jit import cli
-from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss
-from dsv4jit.jit import cache, loader
+from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss, DSV4JITLockTimeout
+from dsv4jit.jit import cache, loader, toolchain
 from dsv4jit.jit.toolchain import Arch
 
 pytestmark = pytest.mark.usefixtures("jit_env")
@@ -188,6 +190,176 @@ def test_list_and_precompile_see_a_damaged_entry(published, capsys):
 
 
 # --------------------------------------------------------------------------------------------
+# Paths the lookup cannot read, or that vanish under it
+
+
+def _deny(monkeypatch, denied, calls=("stat", "lstat", "scandir", "listdir", "open")) -> None:
+    """Make `calls` (names of os functions; "open" also stands for io.open and open) fail with EACCES
+    for the paths where `denied(path)` holds, as for another user's files. Root ignores permission
+    bits, so the calls the cache makes are patched instead."""
+    def guard(call):
+        def guarded(path, *args, **kwargs):
+            if isinstance(path, (str, bytes, os.PathLike)) and denied(Path(os.fsdecode(path))):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+            return call(path, *args, **kwargs)
+        return guarded
+
+    targets = [(os, name) for name in calls] + ([(io, "open"), (builtins, "open")] if "open" in calls else [])
+    for module, name in targets:
+        monkeypatch.setattr(module, name, guard(getattr(module, name)))
+
+
+def test_an_unreadable_write_root_is_a_miss_and_the_search_roots_serve(published, tmp_path, monkeypatch, capsys,
+                                                                       cache_dir, selftest, arch):
+    """The production set-up: a baked cache in DSV4JIT_CACHE_PATH, no compiling, and the default write
+    root in a home folder this process cannot enter."""
+    entry, counter = published
+    baked = tmp_path / "baked"
+    shutil.copytree(cache_dir, baked)
+    home = tmp_path / "home"
+    (home / ".cache" / "dsv4jit").mkdir(parents=True)
+    monkeypatch.setenv("DSV4JIT_CACHE_DIR", str(home / ".cache" / "dsv4jit"))
+    monkeypatch.setenv("DSV4JIT_CACHE_PATH", str(baked))
+    monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
+    _deny(monkeypatch, lambda path: path.is_relative_to(home))
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    capsys.readouterr()
+    assert cli.main(["list", "--kernel", "selftest", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["variants"]
+    assert row["status"] == "cached" and row["entry"] == str(baked / entry.relative_to(cache_dir))
+    assert counted(counter) == 1
+
+
+def test_an_unreadable_module_is_a_damaged_entry_not_a_crash(published, monkeypatch, caplog, selftest, arch):
+    entry, counter = published
+    real_stat, inode = os.stat, (entry / "module.so").stat().st_ino
+
+    def unreadable(path: Path) -> bool:  # that file (chmod 000, another user's), wherever it is moved
+        try:
+            return path.name == "module.so" and real_stat(path).st_ino == inode
+        except OSError:
+            return False
+
+    _deny(monkeypatch, unreadable, calls=("open",))
+    monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
+    with pytest.raises(DSV4JITCacheMiss, match=rf"the entry at {re.escape(str(entry))} is damaged: module\.so cannot "
+                                               r"be read \(Permission denied\)"):
+        loader.load(selftest, arch)
+    monkeypatch.delenv("DSV4JIT_NO_COMPILE")
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    [warning] = _warnings(caplog)
+    assert "(module.so cannot be read (Permission denied)); moved it to .bad-" in warning
+    assert counted(counter) == 2
+
+
+def test_an_entry_removed_during_its_lookup_is_a_miss(published, monkeypatch, selftest, arch):
+    """A `clean` removes the entry between the lookup's stat of module.so and its sha256."""
+    entry, counter = published
+    sha256 = cache._sha256_file
+
+    def cleaned_first(path: Path) -> str:
+        if path == entry / "module.so":
+            shutil.rmtree(entry)
+        return sha256(path)
+
+    monkeypatch.setattr(cache, "_sha256_file", cleaned_first)
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert counted(counter) == 2 and (entry / "manifest.json").is_file()  # rebuilt
+
+
+# --------------------------------------------------------------------------------------------
+# Files of the wrong form
+
+
+def _without(entry: Path, field: str) -> None:
+    manifest = json.loads((entry / "manifest.json").read_text())
+    del manifest[field]
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+
+
+# Well-formed JSON, not of the manifest's form: each used to crash every process that met it.
+MALFORMED = {
+    "a list": lambda e: (e / "manifest.json").write_text("[]"),
+    "a string": lambda e: (e / "manifest.json").write_text('"module.so"'),
+    "variant a list": lambda e: _rewrite_manifest(e, variant=["selftest"]),
+    "built_at a string": lambda e: _rewrite_manifest(e, built_at="yesterday"),
+    "size a string": lambda e: _rewrite_manifest(e, size="1070264"),
+    "key a number": lambda e: _rewrite_manifest(e, key=7),
+    "no sha256": lambda e: _without(e, "sha256"),
+}
+
+
+@pytest.mark.parametrize("form", MALFORMED)
+def test_a_manifest_of_the_wrong_form_is_set_aside_and_rebuilt(form, published, caplog, capsys, selftest, arch):
+    entry, counter = published
+    MALFORMED[form](entry)
+    capsys.readouterr()
+    for argv in (["list", "--entries"], ["list", "--kernel", "selftest"], ["clean", "--orphans", "--dry-run"],
+                 ["clean", "--older-than", "1d", "--stale", "--dry-run"]):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    [warning] = _warnings(caplog)
+    assert "(manifest.json is malformed: " in warning and "moved it to .bad-" in warning
+    assert counted(counter) == 2
+
+
+TOOLCHAIN_FORMS = {
+    "a list": lambda table: [],
+    "a string": lambda table: "nvcc",
+    "records not objects": lambda table: {name: [1, 2] for name in table},
+    "values of another type": lambda table: {name: record | {"value": ["x"]} for name, record in table.items()},
+    "deps not an object": lambda table: {name: record | {"deps": [1]} for name, record in table.items()},
+}
+
+
+@pytest.mark.parametrize("form", TOOLCHAIN_FORMS)
+def test_a_toolchain_file_of_the_wrong_form_is_recomputed(form, published, cache_dir, selftest, arch):
+    entry, counter = published
+    file = cache_dir / "toolchain.json"
+    table = json.loads(file.read_text())
+    file.write_text(json.dumps(TOOLCHAIN_FORMS[form](table)))
+    toolchain.reset()
+    assert loader.resolve(selftest, arch).entry == entry
+    assert json.loads(file.read_text()) == table
+
+
+@pytest.mark.parametrize("owner", ["[1, 2]", '"pid 1"', '{"pid": "1", "host": "h"}', '{"pid": -1, "host": "h"}'])
+def test_an_owner_file_of_the_wrong_form_is_one_that_cannot_be_read(owner, published, monkeypatch, selftest, arch):
+    entry, counter = published
+    shutil.rmtree(entry)
+    lock = entry.with_name(entry.name + ".lock")
+    lock.with_name(lock.name + ".owner").write_text(owner)  # a waiter names the holder from it
+    holder = filelock.FileLock(str(lock))
+    holder.acquire()
+    monkeypatch.setenv("DSV4JIT_LOCK_TIMEOUT", "0.3")
+    try:
+        with pytest.raises(DSV4JITLockTimeout, match=r"waiting for the build of \S+ held by another process"):
+            loader.load(selftest, arch)
+    finally:
+        holder.release()
+    stage = cache.stage_dir(entry)  # removed by the next builder, as the stage of a dead one
+    stage.mkdir()
+    (stage / "owner.json").write_text(owner)
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert not stage.exists() and counted(counter) == 2
+
+
+def test_a_lock_path_that_is_a_folder_is_a_cache_error(published, selftest, arch):
+    entry, counter = published
+    shutil.rmtree(entry)
+    lock = entry.with_name(entry.name + ".lock")
+    lock.unlink()
+    lock.mkdir()
+    with pytest.raises(DSV4JITCacheError, match=rf"^dsv4jit: cannot write the kernel cache at "
+                                                rf"{re.escape(str(entry.parent))}: Is a directory "
+                                                rf"\({re.escape(str(lock))}\); set DSV4JIT_CACHE_DIR"):
+        loader.load(selftest, arch)
+    assert counted(counter) == 1
+
+
+# --------------------------------------------------------------------------------------------
 # Settings that change what nvcc builds
 
 
@@ -307,7 +479,8 @@ def test_unwritable_lock_folder_raises_the_cache_error(lock_dir, fake_nvcc, preb
         with pytest.raises(DSV4JITCacheError) as err:
             loader.load(selftest, arch)
         setting = "DSV4JIT_LOCK_DIR" if lock_dir else "DSV4JIT_CACHE_DIR"
-        assert str(err.value) == (f"dsv4jit: cannot write the kernel cache at {folder}: Permission denied; "
+        lock = folder / f"{selftest.slug}-{loader.resolve(selftest, arch).info.key}.lock"
+        assert str(err.value) == (f"dsv4jit: cannot write the kernel cache at {folder}: Permission denied ({lock}); "
                                   f"set {setting} to a writable folder with free space")
         capsys.readouterr()
         assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 1  # a failed build, no traceback

@@ -216,8 +216,9 @@ def write_orphan(root: Path) -> Path:
     entry.mkdir(parents=True)
     (entry / "module.so").write_bytes(b"\0" * 100)
     (entry / "manifest.json").write_text(json.dumps({
-        "key": "0123456789abcdef0123", "variant": "retired[x=1]", "arch": "sm_90a", "size": 100,
-        "build_seconds": 1.0, "built_at": time.time()}))
+        "key": "0123456789abcdef0123", "source_key": "0123456789abcdef0123", "variant": "retired[x=1]",
+        "arch": "sm_90a", "document": {}, "size": 100, "sha256": "0" * 64, "build_seconds": 1.0,
+        "built_at": time.time(), "dsv4jit_version": "0.0.1", "depfile": []}))
     return entry
 
 

@@ -12,7 +12,7 @@ import pytest
 from child_process import counted
 from conftest import SELFTEST_ID
 from dsv4jit import cli, env, runtime
-from dsv4jit.errors import DSV4JITSettingError, DSV4JITToolchainError
+from dsv4jit.errors import DSV4JITCacheError, DSV4JITSettingError, DSV4JITToolchainError
 from dsv4jit.jit import loader, toolchain
 
 pytestmark = pytest.mark.usefixtures("jit_env")
@@ -106,6 +106,20 @@ def test_paths_and_flags_are_parsed_strictly(monkeypatch, selftest, arch):
     monkeypatch.setenv("DSV4JIT_EXTRA_CUDA_FLAGS", '-O3 "-DX=1')
     with pytest.raises(DSV4JITSettingError, match="^DSV4JIT_EXTRA_CUDA_FLAGS='-O3 \"-DX=1' cannot be split"):
         loader.resolve(selftest, arch)
+
+
+def test_a_lock_dir_that_is_a_file_is_a_cache_error_naming_it(fake_nvcc, prebuilt, tmp_path, monkeypatch, capsys,
+                                                              selftest, arch):
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    monkeypatch.setenv("DSV4JIT_LOCK_DIR", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(DSV4JITCacheError, match=rf"^dsv4jit: cannot write the kernel cache at "
+                                                rf"{re.escape(str(tmp_path))}/a-file/\S+: Not a directory; set "
+                                                "DSV4JIT_LOCK_DIR to a writable folder"):
+        loader.load(selftest, arch)
+    capsys.readouterr()
+    assert cli.main(["precompile", "--kernel", "selftest", "--set", SELFTEST_ID]) == 1
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_a_setting_read_by_the_builds_stops_precompile_as_a_usage_error(fake_nvcc, prebuilt, tmp_path, monkeypatch,

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -38,7 +37,6 @@ from .toolchain import Arch, Toolchain
 log = logging.getLogger("dsv4jit")
 
 WRAPPER = {"cuda": "wrapper.cu", "host": "wrapper.cc"}
-_DISK_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM}
 
 
 @dataclass(frozen=True)
@@ -93,10 +91,24 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
 
 
 def lock_file(root: Path, entry: Path) -> Path:
-    """The per-key lock: next to the entry, or under DSV4JIT_LOCK_DIR with the same relative layout."""
-    base = env.lock_dir() / entry.parent.relative_to(root) if env.lock_dir() else entry.parent
-    base.mkdir(parents=True, exist_ok=True)
+    """The per-key lock: next to the entry, or under DSV4JIT_LOCK_DIR with the same relative layout.
+    Its folder is made."""
+    locks = env.lock_dir()
+    base = locks / entry.parent.relative_to(root) if locks else entry.parent
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_error(e, base, lock_setting()) from e
     return base / f"{entry.name}.lock"
+
+
+OWNER_FIELDS = {"pid": int, "host": str}
+
+
+def _owner(path: Path) -> tuple[int, str] | None:
+    """(pid, host) of an owner file (a stage's ``owner.json``, a lock's ``.owner``), or None."""
+    owner, _ = cache.read_json(path, OWNER_FIELDS)
+    return (owner["pid"], owner["host"]) if owner is not None and owner["pid"] > 0 else None
 
 
 class KeyLock:
@@ -122,7 +134,7 @@ class KeyLock:
                         f"dsv4jit: gave up after {waited:.0f}s waiting for the build of {self.variant.id} "
                         f"held by {holder} (lock {self.path}; DSV4JIT_LOCK_TIMEOUT)") from None
                 log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.variant.id, holder, waited)
-            except OSError as e:  # the lock file cannot be created (checked after Timeout, an OSError too)
+            except OSError as e:  # the lock file cannot be opened (checked after Timeout, an OSError too)
                 raise _cache_error(e, self.path.parent, lock_setting()) from e
         self.waited = time.monotonic() - start
         try:
@@ -133,11 +145,8 @@ class KeyLock:
         return self
 
     def _holder(self) -> str:
-        try:
-            info = json.loads(self.owner.read_text())
-            return f"pid {info['pid']} on host {info['host']}"
-        except (OSError, ValueError, KeyError):
-            return "another process"
+        owner = _owner(self.owner)
+        return f"pid {owner[0]} on host {owner[1]}" if owner else "another process"
 
     def __exit__(self, *exc) -> None:
         self.lock.release()
@@ -157,16 +166,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead_stages(folder: Path, slug_key: str) -> None:
+def _remove_dead_stages(entry: Path) -> None:
     """Stages of this key left by builders that died. We hold the key's lock, so a stage of this
     key is live only if its builder runs on another host (flock can be node-local on NFS)."""
     host = socket.gethostname()
-    for stage in folder.glob(f"{cache.STAGE}{slug_key}-*"):
-        try:
-            owner = json.loads((stage / "owner.json").read_text())
-        except (OSError, ValueError):
-            owner = None
-        if owner is None or (owner.get("host") == host and not _pid_alive(int(owner.get("pid", 0)))):
+    for stage in cache.folders(entry.parent, f"{cache.STAGE}{entry.name}-*"):
+        owner = _owner(stage / "owner.json")
+        if owner is None or (owner[1] == host and not _pid_alive(owner[0])):
             shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -268,11 +274,10 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
     entry = cache.entry_dir(root, arch, variant, info.key)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        lock = KeyLock(lock_file(root, entry), variant)
     except OSError as e:
         raise _cache_error(e, folder) from e
-    with lock:
-        if entry.is_dir() and not env.force_rebuild():
+    with KeyLock(lock_file(root, entry), variant) as lock:
+        if os.path.isdir(entry) and not env.force_rebuild():
             distrusted = distrust is not None and distrust.entry == entry
             problem = distrust.problem if distrusted else cache.entry_problem(entry, info.key)
             if problem is None:  # published by another process while this one waited
@@ -285,8 +290,8 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
                              lock.waited)
                     return Built(module, entry, False, lock.waited)
             _set_aside(entry, variant, problem)
-        _remove_dead_stages(folder, f"{variant.slug}-{info.key}")
-        stage = folder / f"{cache.STAGE}{variant.slug}-{info.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        _remove_dead_stages(entry)
+        stage = cache.stage_dir(entry)
         try:
             stage.mkdir()
             (stage / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -307,7 +312,7 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
 
 def _set_aside(entry: Path, variant: Variant, problem: str) -> None:
     """Move a damaged entry out of the way (kept for inspection; `clean --stale` removes it)."""
-    aside = entry.with_name(f"{cache.BAD}{entry.name}-{uuid.uuid4().hex[:8]}")
+    aside = cache.aside_dir(entry, cache.BAD)
     try:
         os.rename(entry, aside)
     except OSError as e:
@@ -390,7 +395,7 @@ def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, ar
     try:
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if entry.exists():  # forced rebuild: move the old entry aside, then swap
-            trash = entry.with_name(f"{cache.OLD}{entry.name}-{uuid.uuid4().hex[:8]}")
+            trash = cache.aside_dir(entry, cache.OLD)
             os.rename(entry, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(stage, entry)
@@ -405,8 +410,10 @@ def lock_setting() -> str:
     return "DSV4JIT_LOCK_DIR" if env.lock_dir() else "DSV4JIT_CACHE_DIR"
 
 
-def _cache_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") -> Exception:
-    if e.errno in _DISK_ERRNOS:
-        return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror}; "
-                                 f"set {setting} to a writable folder with free space")
-    return e
+def _cache_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") -> DSV4JITCacheError:
+    """A failed write into the cache (no permission, a full disk, a read-only or too long path, a
+    folder where a file belongs, ...) as the place, the reason and the variable that moves it."""
+    path = f" ({e.filename})" if e.filename and Path(e.filename) != where else ""
+    fix = "a shorter path" if e.errno == errno.ENAMETOOLONG else "a writable folder with free space"
+    return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror or e}{path}; "
+                             f"set {setting} to {fix}")

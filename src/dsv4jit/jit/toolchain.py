@@ -8,6 +8,7 @@ remembered on disk per compiler file (path, size, mtime), so a warm load runs no
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -117,26 +118,32 @@ def _stat_key(path: Path) -> list:
     return [str(path), st.st_size, st.st_mtime_ns]
 
 
-def _cached(kind: str, path: Path, compute, cache_file: Path) -> dict:
+def _cached(kind: str, path: Path, compute, valid, cache_file: Path):
+    """The record of compiler file `path` in `cache_file`, if its stamps match and `valid(value)`;
+    else ``compute()`` (value, files it depends on), stored. A file or record of another form (written
+    by hand, or by a broken writer) counts as absent and is replaced."""
     stamp = _stat_key(path)
     try:
         table = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         table = {}
+    if not isinstance(table, dict):
+        table = {}
     entry = table.get(f"{kind}:{path}")
-    if entry and entry.get("stamp") == stamp and all(
-            _safe_stat(Path(p)) == s for p, s in entry.get("deps", {}).items()):
+    if (isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("deps"), dict)
+            and all(_safe_stat(Path(p)) == s for p, s in entry["deps"].items()) and valid(entry.get("value"))):
         return entry["value"]
     value, deps = compute()
     table[f"{kind}:{path}"] = {"stamp": stamp, "value": value,
                                "deps": {str(p): _safe_stat(p) for p in deps}}
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, cache_file)
-    except OSError:
-        pass  # a read-only cache only costs the subprocess next time
+    except OSError:  # a read-only or full cache only costs the subprocess next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return value
 
 
@@ -209,7 +216,11 @@ def _nvcc_identity(nvcc: Path, cache_file: Path):
         real = root / "bin" / "nvcc"
         version = _run([str(real), "--version"]).strip()
         return {"root": str(root), "version": version}, [real]
-    return _cached("nvcc", nvcc, compute, cache_file)
+    return _cached("nvcc", nvcc, compute, _is_identity, cache_file)
+
+
+def _is_identity(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("root", "version"))
 
 
 def _find_cxx() -> Path:
@@ -223,7 +234,8 @@ def _find_cxx() -> Path:
 
 
 def _cxx_version(cxx: Path, cache_file: Path) -> str:
-    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), cache_file)
+    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), lambda v: isinstance(v, str),
+                   cache_file)
 
 
 @functools.lru_cache(maxsize=None)
