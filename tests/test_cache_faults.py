@@ -17,8 +17,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import filelock
@@ -493,6 +495,44 @@ def test_unwritable_lock_folder_raises_the_cache_error(lock_dir, fake_nvcc, preb
 
 # --------------------------------------------------------------------------------------------
 # Concurrency
+
+
+def test_clean_and_list_leave_the_stage_of_a_live_build_alone(published, capsys):
+    """A builder writes its manifest into its stage just before the rename that publishes it."""
+    entry, counter = published
+    stage = cache.stage_dir(entry)  # of this process, which is alive
+    shutil.copytree(entry, stage)
+    (stage / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    capsys.readouterr()
+    assert cli.main(["list", "--entries", "--json"]) == 0
+    assert [row["entry"] for row in json.loads(capsys.readouterr().out)["entries"]] == [str(entry)]
+    assert cli.main(["clean", "--all", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == [str(entry)]
+    assert cli.main(["clean", "--all"]) == 0
+    assert stage.is_dir() and not entry.exists()
+
+
+def test_clean_takes_the_key_lock_before_removing_a_stage_or_a_set_aside_entry(published, monkeypatch, capsys):
+    entry, counter = published
+    bad = cache.aside_dir(entry, cache.BAD)
+    shutil.copytree(entry, bad)
+    stage = cache.stage_dir(entry)
+    stage.mkdir()
+    past = time.time() - 3600  # older than the build timeout: a leftover, once its key's lock is free
+    os.utime(stage, (past, past))
+    holder = filelock.FileLock(str(entry.with_name(entry.name + ".lock")))  # a builder of that key
+    holder.acquire()
+    monkeypatch.setenv("DSV4JIT_LOCK_TIMEOUT", "0.5")
+    try:
+        capsys.readouterr()
+        assert cli.main(["clean", "--stale"]) == 1
+        err = capsys.readouterr().err
+    finally:
+        holder.release()
+    assert re.match(rf"dsv4jit: gave up after \d+s waiting for the build of {entry.name} held by pid ", err)
+    assert bad.is_dir() and stage.is_dir()
+    assert cli.main(["clean", "--stale"]) == 0
+    assert not bad.exists() and not stage.exists() and entry.is_dir()
 
 
 def test_eight_precompiles_over_a_damaged_entry_rebuild_it_once(published, fake_nvcc, prebuilt, tmp_path):

@@ -91,8 +91,9 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
 
 
 def lock_file(root: Path, entry: Path) -> Path:
-    """The per-key lock: next to the entry, or under DSV4JIT_LOCK_DIR with the same relative layout.
-    Its folder is made."""
+    """The per-key lock of `entry` (or of a stage or set-aside folder of its key, `cache.entry_of`):
+    next to the entry, or under DSV4JIT_LOCK_DIR with the same relative layout. Its folder is made."""
+    entry = cache.entry_of(entry)
     locks = env.lock_dir()
     base = locks / entry.parent.relative_to(root) if locks else entry.parent
     try:
@@ -112,10 +113,11 @@ def _owner(path: Path) -> tuple[int, str] | None:
 
 
 class KeyLock:
-    """flock on a file that is never deleted (waiters share its inode), with progress logs."""
+    """flock on a file that is never deleted (waiters share its inode), with progress logs. `what`
+    names the holder's work in the owner file and the logs (a variant id, or what clean removes)."""
 
-    def __init__(self, path: Path, variant: Variant):
-        self.path, self.variant = path, variant
+    def __init__(self, path: Path, what: str):
+        self.path, self.what = path, what
         self.owner = path.with_name(path.name + ".owner")
         self.lock = filelock.FileLock(str(path))
 
@@ -131,15 +133,15 @@ class KeyLock:
                 holder = self._holder()
                 if waited >= limit:
                     raise DSV4JITLockTimeout(
-                        f"dsv4jit: gave up after {waited:.0f}s waiting for the build of {self.variant.id} "
+                        f"dsv4jit: gave up after {waited:.0f}s waiting for the build of {self.what} "
                         f"held by {holder} (lock {self.path}; DSV4JIT_LOCK_TIMEOUT)") from None
-                log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.variant.id, holder, waited)
+                log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.what, holder, waited)
             except OSError as e:  # the lock file cannot be opened (checked after Timeout, an OSError too)
                 raise _cache_error(e, self.path.parent, lock_setting()) from e
         self.waited = time.monotonic() - start
         try:
             self.owner.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                              "since": time.time(), "variant": self.variant.id}))
+                                              "since": time.time(), "variant": self.what}))
         except OSError:
             pass
         return self
@@ -276,7 +278,7 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cache_error(e, folder) from e
-    with KeyLock(lock_file(root, entry), variant) as lock:
+    with KeyLock(lock_file(root, entry), variant.id) as lock:
         if os.path.isdir(entry) and not env.force_rebuild():
             distrusted = distrust is not None and distrust.entry == entry
             problem = distrust.problem if distrusted else cache.entry_problem(entry, info.key)

@@ -180,6 +180,18 @@ class Damaged:
     problem: str
 
 
+def entry_of(folder: Path) -> Path:
+    """The entry whose key a stage, swapped-out or set-aside folder (`stage_dir`, `aside_dir`) is of:
+    that key's lock guards them all. An entry is its own."""
+    name = folder.name
+    if name.startswith(STAGE):
+        return folder.with_name(name[len(STAGE):].rsplit("-", 2)[0])
+    for prefix in (OLD, BAD):
+        if name.startswith(prefix):
+            return folder.with_name(name[len(prefix):].rsplit("-", 1)[0])
+    return folder
+
+
 def stage_dir(entry: Path) -> Path:
     """A new folder to build `entry` in, beside it: the builder's pid and a random part make it unique."""
     return entry.with_name(f"{STAGE}{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -282,8 +294,9 @@ def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: s
 
 
 def iter_entries(root: Path):
-    """Every complete entry under a root, with its manifest (for list/clean)."""
-    for manifest_file in folders(schema_dir(root), "*/*/*/manifest.json"):
+    """Every complete entry under a root, with its manifest (for list/clean); never the stages,
+    swapped-out and set-aside folders beside them, whose names start with a dot."""
+    for manifest_file in folders(schema_dir(root), "*/*/[!.]*/manifest.json"):
         manifest = read_manifest(manifest_file.parent)
         if manifest is not None:
             yield manifest_file.parent, manifest
