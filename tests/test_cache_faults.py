@@ -493,6 +493,53 @@ def test_unwritable_lock_folder_raises_the_cache_error(lock_dir, fake_nvcc, preb
     assert counted(counter) == 0
 
 
+def test_a_full_disk_while_keeping_the_log_of_a_failed_build_keeps_the_compile_error(fake_nvcc, monkeypatch,
+                                                                                    cache_dir, selftest, arch):
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
+    failed = cache.failed_dir(cache_dir) / f"{selftest.slug}-{loader.resolve(selftest, arch).info.key}"
+    copy2 = shutil.copy2
+
+    def disk_full(source, target, *args, **kwargs):
+        if Path(target).parent == failed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+        return copy2(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copy2", disk_full)
+    with pytest.raises(DSV4JITCacheError) as err:
+        loader.load(selftest, arch)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith(f"dsv4jit: cannot write the kernel cache at {failed}: No space left on device")
+    assert lines[1] == f"dsv4jit: building {SELFTEST_ID} for sm_90a failed: wrapper.cu(3): error: something broke"
+    assert "    wrapper.cu(3): error: something broke" in lines  # the end of the log, which is not kept
+    assert isinstance(err.value.__cause__, DSV4JITBuildError)
+    assert stages_on_disk(cache_dir) == []
+
+
+def test_no_space_in_the_compiler_output_is_the_error_it_reports(fake_nvcc, monkeypatch, selftest, arch):
+    """Not the linker's "ld returned 1" that follows it."""
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", error_line="/usr/bin/ld: final link failed: No space "
+                                                     "left on device\ncollect2: error: ld returned 1 exit status")))
+    with pytest.raises(DSV4JITBuildError) as err:
+        loader.load(selftest, arch)
+    assert err.value.first_error.startswith("out of disk space: /usr/bin/ld: final link failed: No space left on "
+                                            "device (free some where the compiler writes")
+
+
+def test_a_cache_root_over_the_name_limit_is_a_cache_error(fake_nvcc, prebuilt, tmp_path, monkeypatch, capsys,
+                                                            selftest, arch):
+    root = tmp_path / ("x" * 300) / "cache"
+    monkeypatch.setenv("DSV4JIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    with pytest.raises(DSV4JITCacheError, match=rf"the kernel cache dir {re.escape(str(root))} is not writable "
+                                                r"\(File name too long\).* set DSV4JIT_CACHE_DIR to"):
+        loader.load(selftest, arch)
+    capsys.readouterr()
+    for argv in (["list", "--kernel", "selftest"], ["list", "--entries"], ["clean", "--all"], ["info"]):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    assert cli.main(["precompile", "--kernel", "selftest", "--set", SELFTEST_ID]) == 1
+    assert "(File name too long)" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------------
 # Concurrency
 

@@ -178,9 +178,18 @@ def _remove_dead_stages(entry: Path) -> None:
             shutil.rmtree(stage, ignore_errors=True)
 
 
+#: Compiler output that means the disk is full: what the build error then says first, rather than the
+#: linker's "ld returned 1" that follows it.
+_NO_SPACE = ("no space left on device", "disk quota exceeded")
+
+
 def _first_error(output: str, returncode: int) -> str:
     if returncode in (137, -9):
         return f"compiler killed (exit {returncode}): likely out of memory; lower -j or DSV4JIT_JOBS"
+    for line in output.splitlines():
+        if any(text in line.lower() for text in _NO_SPACE):
+            return (f"out of disk space: {line.strip()} (free some where the compiler writes: the kernel cache, "
+                    "DSV4JIT_CACHE_DIR, and the temporary folder, TMPDIR)")
     for line in output.splitlines():
         low = line.lower()
         if " error" in low or low.startswith("error") or "error:" in low or "ptxas fatal" in low:
@@ -233,15 +242,19 @@ def not_cached(variant: Variant, arch: Arch, key: str | None, why: str, fix: str
 
 def build_root(variant: Variant, arch: Arch, key: str, root: Path) -> Path:
     """The write root `root`, or a per-process temp root when it is not writable and the fallback allows."""
-    if cache.is_writable_root(root):
+    problem = cache.unwritable(root)
+    if problem is None:
         return root
     if env.cache_fallback() == "tmp":
-        fallback = _tmp_root()
-        log.warning("dsv4jit: cache dir %s is not writable; building into %s (DSV4JIT_CACHE_FALLBACK=tmp)",
-                    root, fallback)
+        try:
+            fallback = _tmp_root()
+        except OSError as e:
+            raise _cache_error(e, Path(tempfile.gettempdir()), "TMPDIR") from e
+        log.warning("dsv4jit: cache dir %s is not writable (%s); building into %s (DSV4JIT_CACHE_FALLBACK=tmp)",
+                    root, problem, fallback)
         return fallback
     raise DSV4JITCacheError(not_cached(
-        variant, arch, key, f"the kernel cache dir {root} is not writable",
+        variant, arch, key, f"the kernel cache dir {root} is not writable ({problem})",
         "set DSV4JIT_CACHE_DIR to a writable folder, or DSV4JIT_CACHE_FALLBACK=tmp to build into a temporary "
         f"folder, or precompile it into a cache this process searches (DSV4JIT_CACHE_PATH): {fix_command(variant, arch)}",
         root))
@@ -278,6 +291,7 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cache_error(e, folder) from e
+    failed = cache.failed_dir(root) / entry.name
     with KeyLock(lock_file(root, entry), variant.id) as lock:
         if os.path.isdir(entry) and not env.force_rebuild():
             distrusted = distrust is not None and distrust.entry == entry
@@ -304,7 +318,7 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
         log.info("dsv4jit: compiling %s for %s (reason: %s; key %s) ...", variant.id, arch, reason, info.key)
         try:
             with progress.compiling(f"{variant.id} for {arch}"):
-                module, seconds = _compile_and_check(variant, arch, info, command, stage, root, load_module)
+                module, seconds = _compile_and_check(variant, arch, info, command, stage, failed, load_module)
             _publish(stage, entry, info, variant, arch, seconds)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
@@ -350,7 +364,7 @@ def _run_compiler(command: Command, stage: Path) -> tuple[str, int | None]:
     return log_file.read_text(errors="replace")[len(header):], code
 
 
-def _compile_and_check(variant, arch, info, command, stage, root, load_module):
+def _compile_and_check(variant, arch, info, command, stage, failed, load_module):
     start = time.monotonic()
     log.debug("dsv4jit: key document for %s: %s", variant.id, json.dumps(info.document, indent=1))
     log.debug("dsv4jit: command: %s", command.shell())
@@ -362,7 +376,7 @@ def _compile_and_check(variant, arch, info, command, stage, root, load_module):
     if env.verbose_build():
         sys.stderr.write(output)
     if code != 0:
-        _fail(variant, arch, info, stage, root, command, _first_error(output, -1 if code is None else code))
+        _fail(variant, arch, stage, failed, command, _first_error(output, -1 if code is None else code))
     _check_depfile(variant, stage, info.document["headers"])
     try:
         module = load_module(stage / "module.so")
@@ -370,31 +384,45 @@ def _compile_and_check(variant, arch, info, command, stage, root, load_module):
         if missing:
             raise RuntimeError(f"exports missing from the built module: {missing}")
     except Exception as e:  # noqa: BLE001 - any load failure is a build failure
-        _fail(variant, arch, info, stage, root, command, f"built module does not load: {e}")
+        _fail(variant, arch, stage, failed, command, f"built module does not load: {e}")
     return module, seconds
 
 
-def _fail(variant, arch, info, stage, root, command, first_error) -> None:
-    failed = cache.failed_dir(root) / f"{variant.slug}-{info.key}"
-    shutil.rmtree(failed, ignore_errors=True)
-    failed.mkdir(parents=True, exist_ok=True)
-    for name in ("build.log", WRAPPER[variant.spec.target]):
-        if (stage / name).exists():
-            shutil.copy2(stage / name, failed / name)
+def _fail(variant, arch, stage, failed, command, first_error) -> None:
+    """Raise the build error, after keeping the log and the wrapper source in `failed` (this key's
+    folder in ``failed/``). If it cannot be written (a full disk), the cache error says so and
+    carries the compile error and the end of the log, which would otherwise be lost with the stage."""
     repro = f"cd {shlex.quote(str(failed))} && {command.shell()}"
-    raise DSV4JITBuildError(variant.id, arch.name, first_error, str(failed / "build.log"), repro)
+    error = DSV4JITBuildError(variant.id, arch.name, first_error, str(failed / "build.log"), repro)
+    try:
+        shutil.rmtree(failed, ignore_errors=True)
+        failed.mkdir(parents=True, exist_ok=True)
+        for name in ("build.log", WRAPPER[variant.spec.target]):
+            if (stage / name).exists():
+                shutil.copy2(stage / name, failed / name)
+    except OSError as e:
+        try:
+            tail = (stage / "build.log").read_text(errors="replace").splitlines()[-20:]
+        except OSError:
+            tail = ["(unreadable)"]
+        raise DSV4JITCacheError(
+            f"{_cache_error(e, failed)}\n"
+            f"dsv4jit: building {variant.id} for {arch} failed: {first_error}\n"
+            f"  its log could not be kept; it ended with:\n" + "".join(f"    {line}\n" for line in tail) +
+            f"  reproduce: {command.shell()}") from error
+    raise error
 
 
 def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, arch: Arch, seconds: float) -> None:
-    manifest = {
-        "key": info.key, "source_key": info.source_key, "variant": variant.id, "arch": arch.name,
-        "document": info.document, "built_at": time.time(), "build_seconds": round(seconds, 3),
-        **cache.module_record(stage / "module.so"), "dsv4jit_version": __version__,
-        "depfile": sorted(_depfile_paths(stage / "deps.d")),
-    }
-    for name in ("owner.json", "deps.d"):
-        (stage / name).unlink(missing_ok=True)
     try:
+        manifest = {
+            "key": info.key, "source_key": info.source_key, "variant": variant.id, "arch": arch.name,
+            "document": info.document, "built_at": time.time(), "build_seconds": round(seconds, 3),
+            **cache.module_record(stage / "module.so"), "dsv4jit_version": __version__,
+            "depfile": sorted(_depfile_paths(stage / "deps.d")),
+        }
+        for name in ("owner.json", "deps.d"):
+            (stage / name).unlink(missing_ok=True)
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if entry.exists():  # forced rebuild: move the old entry aside, then swap
             trash = cache.aside_dir(entry, cache.OLD)

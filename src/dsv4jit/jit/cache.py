@@ -313,9 +313,10 @@ def dir_size(path: Path) -> int:
     return total
 
 
-def is_writable_root(root: Path) -> bool:
+def unwritable(root: Path) -> str | None:
+    """Why nothing can be built into `root` (made if missing), or None when it can."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(root, os.W_OK | os.X_OK)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None if os.access(root, os.W_OK | os.X_OK) else "write access denied"
