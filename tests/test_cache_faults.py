@@ -446,6 +446,55 @@ def test_compiler_past_the_build_timeout_is_killed_with_its_children(fake_nvcc, 
     assert entries_on_disk(cache_dir) == [] and stages_on_disk(cache_dir) == []
 
 
+def test_a_waiter_does_not_repeat_a_build_that_timed_out(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir,
+                                                          selftest, arch):
+    """It reports the failure of the build it waited for; a later attempt compiles again."""
+    monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "3")
+    builder, compiler = _start_slow_build(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir)
+    try:
+        with pytest.raises(DSV4JITBuildError, match=rf"timed out after 3s \(DSV4JIT_BUILD_TIMEOUT\) \(in the build of "
+                                                    rf"pid {builder.pid} on host \S+, which this process waited for; "
+                                                    r"not compiled again\)"):
+            loader.load(selftest, arch)
+        builder.communicate(timeout=60)
+    finally:
+        kill_all([builder.pid, *compiler])
+    pids = tmp_path / "nvcc-pids"
+    assert counted(pids) == 1
+    fake_nvcc("copy", copy_from=prebuilt.module, counter=pids)  # it no longer hangs
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert counted(pids) == 2
+
+
+@pytest.mark.parametrize("how, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_precompile_stopped_by_a_signal_kills_its_compiles_at_once(how, code, fake_nvcc, prebuilt, tmp_path,
+                                                                   monkeypatch, cache_dir):
+    """Ctrl-C or SIGTERM on `precompile -j 2`: both compilers die at once, nothing is published or
+    recorded as failed, the stages are removed, and one line says so."""
+    pids = tmp_path / "nvcc-pids"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=120, counter=pids)))
+    command = subprocess.Popen([PYTHON, "-m", "dsv4jit", "precompile", "--kernel", "selftest", "--set", "all",
+                                "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    compilers: list[int] = []
+    try:
+        wait_for(lambda: counted(pids) == 2 and all(children(int(p)) for p in pids.read_text().split()), 120,
+                 "two compiles to start", command)
+        compilers = [pid for shell in map(int, pids.read_text().split()) for pid in (shell, *children(shell))]
+        sent = time.monotonic()
+        command.send_signal(getattr(signal, how))
+        _, err = command.communicate(timeout=60)
+        took = time.monotonic() - sent
+        wait_for(lambda: not any(running(pid) for pid in compilers), 10, "the compiler processes to be killed")
+    finally:
+        kill_all([command.pid, *compilers])
+    assert command.returncode == code and took < 10, (command.returncode, took, err)
+    assert "Traceback" not in err and err.count("stopped by") == 1
+    assert err.splitlines()[-1] == (f"dsv4jit: precompile stopped by {how}; compiles under way were killed and "
+                                    "published nothing")
+    assert entries_on_disk(cache_dir) == [] and stages_on_disk(cache_dir) == []
+    assert not cache.failed_dir(cache_dir).exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Unwritable places
 

@@ -428,7 +428,7 @@ def gated_builds(monkeypatch):
         cancel(futures)
         cancelled.set()
 
-    def build_resolved(res, reason):
+    def build_resolved(res, reason, stop):
         gate["started"].append(res.variant)
         if len(gate["started"]) == 1:
             raise gate["first"]

@@ -52,7 +52,7 @@ def test_a_number_must_be_finite_and_positive(name, value, monkeypatch):
 
 
 def test_numbers_and_their_defaults(monkeypatch):
-    assert (env.jobs(), env.job_mem_gb(), env.build_timeout(), env.lock_timeout()) == (None, 4.0, 1800.0, 3600.0)
+    assert (env.jobs(), env.job_mem_gb(), env.build_timeout(), env.lock_timeout()) == (None, 4.0, 600.0, 1200.0)
     for name, value in (("DSV4JIT_JOBS", "3"), ("DSV4JIT_JOB_MEM_GB", "0.5"), ("DSV4JIT_BUILD_TIMEOUT", "90")):
         monkeypatch.setenv(name, value)
     assert (env.jobs(), env.job_mem_gb(), env.build_timeout(), env.lock_timeout()) == (3, 0.5, 90.0, 180.0)

@@ -10,7 +10,9 @@ cache). Exit codes:
   own errors, and a `UsageError` raised here while parsing or validating one), a ``DSV4JIT_*``
   setting (`DSV4JITSettingError`), or a missing compiler (`DSV4JITToolchainError`);
 * 3: a bug in dsv4jit: any other exception, a ValueError from inside the library included, with
-  its traceback.
+  its traceback;
+* 130, 143: interrupted by Ctrl-C (SIGINT) or stopped by SIGTERM (128 + the signal, the shell's
+  convention): compiles under way are killed and publish nothing, and one line says so.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import functools
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -435,9 +439,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that builds under way
+    are stopped and cleaned up (jit/batch.py) instead of the process vanishing without a word."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
     try:
         logging.basicConfig(level=env.log_level(), format="%(message)s", stream=sys.stderr)
         return args.func(args)
@@ -447,11 +462,19 @@ def main(argv: list[str] | None = None) -> int:
     except DSV4JITError as e:
         print(str(e), file=sys.stderr)
         return EXIT_FAILED
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        print(f"dsv4jit: {args.command} stopped by {signum.name}; compiles under way were killed and published "
+              "nothing", file=sys.stderr)
+        return 128 + signum
     except Exception:  # noqa: BLE001 - a bug: the traceback says where
         traceback.print_exc()
         print(f"dsv4jit: internal error (exit {EXIT_BUG}): a bug in dsv4jit {__version__}; please report it "
               "with the traceback above", file=sys.stderr)
         return EXIT_BUG
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ from .errors import DSV4JITSettingError
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Seconds one compiler run may take. A variant compiles in seconds to about a minute, so a hung
+#: compiler, which every first-use caller of that variant waits on, is found in minutes, with a wide
+#: margin for a busy machine.
+DEFAULT_BUILD_TIMEOUT = 600.0
 
 
 def _raw(name: str) -> str:
@@ -106,7 +110,7 @@ def job_mem_gb() -> float:
 
 
 def build_timeout() -> float:
-    return _positive("DSV4JIT_BUILD_TIMEOUT", 1800.0)
+    return _positive("DSV4JIT_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
 
 
 def lock_timeout() -> float:

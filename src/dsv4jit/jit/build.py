@@ -1,26 +1,30 @@
 """Building one variant: the compile command, the per-key lock, staging and atomic publish.
 
 Protocol (never builds in place): take the per-key file lock, look again (another process may
-have published meanwhile; a damaged entry is moved aside), compile into ``.stage-*`` next to the
-entry, check the depfile against the scanned header closure, smoke-load the module, write the
-manifest (with the module's size and sha256) last, then ``rename`` the stage into place. A builder
-killed at any point leaves only a stage folder, which the next builder of that key removes, and no
-compiler process (reaper.py); readers never see a partial entry because they look for the manifest
-and verify the module against it.
+have published meanwhile, or failed while this one waited; a damaged entry is moved aside), compile
+into ``.stage-*`` next to the entry, check the depfile against the scanned header closure,
+smoke-load the module, write the manifest (with the module's size and sha256) last, then ``rename``
+the stage into place. A builder killed at any point leaves only a stage folder, which the next
+builder of that key removes, and no compiler process (reaper.py); readers never see a partial entry
+because they look for the manifest and verify the module against it. A failed build records its
+error in ``failed/``, so that the processes that waited for it report it instead of compiling again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,7 @@ from .toolchain import Arch, Toolchain
 log = logging.getLogger("dsv4jit")
 
 WRAPPER = {"cuda": "wrapper.cu", "host": "wrapper.cc"}
+FAILURE = "failure.json"  # in failed/<slug>-<key>/: the last failure of that key, for its waiters
 
 
 @dataclass(frozen=True)
@@ -116,26 +121,32 @@ class KeyLock:
     """flock on a file that is never deleted (waiters share its inode), with progress logs. `what`
     names the holder's work in the owner file and the logs (a variant id, or what clean removes)."""
 
-    def __init__(self, path: Path, what: str):
-        self.path, self.what = path, what
+    def __init__(self, path: Path, what: str, stop: "Stop | None" = None):
+        self.path, self.what, self.stop = path, what, stop
         self.owner = path.with_name(path.name + ".owner")
         self.lock = filelock.FileLock(str(path))
 
     def __enter__(self) -> "KeyLock":
+        self.since = time.time()  # a failure recorded after this is one this process waited for
         start = time.monotonic()
         limit = env.lock_timeout()
+        logged = 0.0
         while True:
-            try:
-                self.lock.acquire(timeout=min(10.0, max(0.05, limit - (time.monotonic() - start))))
+            if self.stop is not None:
+                self.stop.check()
+            try:  # short slices, so that a stopped batch stops waiting soon
+                self.lock.acquire(timeout=min(1.0, max(0.05, limit - (time.monotonic() - start))))
                 break
             except filelock.Timeout:
                 waited = time.monotonic() - start
-                holder = self._holder()
                 if waited >= limit:
                     raise DSV4JITLockTimeout(
                         f"dsv4jit: gave up after {waited:.0f}s waiting for the build of {self.what} "
-                        f"held by {holder} (lock {self.path}; DSV4JIT_LOCK_TIMEOUT)") from None
-                log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.what, holder, waited)
+                        f"held by {self._holder()} (lock {self.path}; DSV4JIT_LOCK_TIMEOUT)") from None
+                if waited - logged >= 10.0:
+                    logged = waited
+                    log.warning("dsv4jit: waiting for build of %s held by %s for %.0fs", self.what, self._holder(),
+                                waited)
             except OSError as e:  # the lock file cannot be opened (checked after Timeout, an OSError too)
                 raise _cache_error(e, self.path.parent, lock_setting()) from e
         self.waited = time.monotonic() - start
@@ -152,6 +163,51 @@ class KeyLock:
 
     def __exit__(self, *exc) -> None:
         self.lock.release()
+
+
+class BuildStopped(Exception):
+    """A build of a batch that was stopped (`Stop`): nothing of it was published."""
+
+
+class Stop:
+    """Stops the builds of a batch at once: `set` kills their running compilers (each one's whole
+    process group, see reaper.py), and every build then ends with `BuildStopped` before publishing
+    or recording anything. A build that runs in the thread that is interrupted needs none: the
+    exception stops it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._set = False
+        self._compilers: set[subprocess.Popen] = set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            for proc in self._compilers:
+                _kill_group(proc)
+
+    def check(self) -> None:
+        if self._set:
+            raise BuildStopped()
+
+    @contextlib.contextmanager
+    def running(self, proc: subprocess.Popen):
+        with self._lock:
+            if self._set:
+                _kill_group(proc)
+            self._compilers.add(proc)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._compilers.discard(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the reaper leads its group: it, the compiler and its children
+    except ProcessLookupError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,9 +337,10 @@ class Built:
 
 
 def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, command: Command, reason: str,
-          load_module, root: Path, distrust: cache.Damaged | None = None) -> Built:
+          load_module, root: Path, distrust: cache.Damaged | None = None, stop: Stop | None = None) -> Built:
     """Build and publish into the write root `root` under the per-key lock. `distrust`: the entry of
-    this key, which verified but did not load here; it is moved aside and rebuilt like a damaged one."""
+    this key, which verified but did not load here; it is moved aside and rebuilt like a damaged one.
+    `stop`: the batch's (see `Stop`)."""
     root = build_root(variant, arch, info.key, root)
     folder = cache.kernel_dir(root, arch, variant)
     entry = cache.entry_dir(root, arch, variant, info.key)
@@ -292,7 +349,10 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
     except OSError as e:
         raise _cache_error(e, folder) from e
     failed = cache.failed_dir(root) / entry.name
-    with KeyLock(lock_file(root, entry), variant.id) as lock:
+    with KeyLock(lock_file(root, entry), variant.id, stop) as lock:
+        failure = _failure_since(failed, variant, arch, lock.since)
+        if failure is not None:  # the build this process waited for failed: the same compile would too
+            raise failure
         if os.path.isdir(entry) and not env.force_rebuild():
             distrusted = distrust is not None and distrust.entry == entry
             problem = distrust.problem if distrusted else cache.entry_problem(entry, info.key)
@@ -318,7 +378,9 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
         log.info("dsv4jit: compiling %s for %s (reason: %s; key %s) ...", variant.id, arch, reason, info.key)
         try:
             with progress.compiling(f"{variant.id} for {arch}"):
-                module, seconds = _compile_and_check(variant, arch, info, command, stage, failed, load_module)
+                module, seconds = _compile_and_check(variant, arch, info, command, stage, failed, load_module, stop)
+            if stop is not None:
+                stop.check()  # stopped while loading: publish nothing more
             _publish(stage, entry, info, variant, arch, seconds)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
@@ -341,10 +403,10 @@ def _set_aside(entry: Path, variant: Variant, problem: str) -> None:
 REAPER = Path(__file__).with_name("reaper.py")
 
 
-def _run_compiler(command: Command, stage: Path) -> tuple[str, int | None]:
-    """The compiler's output and exit code (None: timed out), run in the stage under reaper.py;
-    build.log gets the command line and the output. If this process dies or this call is interrupted,
-    the compiler and every process it started are killed."""
+def _run_compiler(command: Command, stage: Path, timeout: float, stop: Stop | None) -> tuple[str, int | None]:
+    """The compiler's output and exit code (None: it ran past `timeout` seconds), run in the stage
+    under reaper.py; build.log gets the command line and the output. If this process dies, this call
+    is interrupted or `stop` is set, the compiler and every process it started are killed."""
     log_file = stage / "build.log"
     header = command.shell() + "\n\n"
     with open(log_file, "w") as out:
@@ -353,30 +415,39 @@ def _run_compiler(command: Command, stage: Path) -> tuple[str, int | None]:
         proc = subprocess.Popen([sys.executable, "-I", "-S", str(REAPER), *command.argv], cwd=stage,
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = proc.wait(timeout=env.build_timeout())
+            with stop.running(proc) if stop is not None else contextlib.nullcontext():
+                code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
         finally:
             proc.stdin.close()  # end of file: the reaper kills the compiler's group if it still runs
             proc.wait()
         if code is None:
-            out.write(f"\ntimed out after {env.build_timeout():.0f}s (DSV4JIT_BUILD_TIMEOUT)\n")
+            out.write(f"\n{_timed_out(timeout)}\n")
     return log_file.read_text(errors="replace")[len(header):], code
 
 
-def _compile_and_check(variant, arch, info, command, stage, failed, load_module):
+def _timed_out(timeout: float) -> str:
+    return f"timed out after {timeout:.0f}s (DSV4JIT_BUILD_TIMEOUT)"
+
+
+def _compile_and_check(variant, arch, info, command, stage, failed, load_module, stop):
     start = time.monotonic()
+    timeout = env.build_timeout()
     log.debug("dsv4jit: key document for %s: %s", variant.id, json.dumps(info.document, indent=1))
     log.debug("dsv4jit: command: %s", command.shell())
     try:
-        output, code = _run_compiler(command, stage)
+        output, code = _run_compiler(command, stage, timeout, stop)
     except OSError as e:
         raise _cache_error(e, stage.parent) from e
     seconds = time.monotonic() - start
+    if stop is not None:
+        stop.check()  # its compiler was killed on purpose: not a failure to record
     if env.verbose_build():
         sys.stderr.write(output)
     if code != 0:
-        _fail(variant, arch, stage, failed, command, _first_error(output, -1 if code is None else code))
+        first_error = _timed_out(timeout) if code is None else _first_error(output, code)
+        _fail(variant, arch, stage, failed, command, first_error)
     _check_depfile(variant, stage, info.document["headers"])
     try:
         module = load_module(stage / "module.so")
@@ -388,10 +459,14 @@ def _compile_and_check(variant, arch, info, command, stage, failed, load_module)
     return module, seconds
 
 
+FAILURE_FIELDS = {"first_error": str, "failed_at": (int, float), "log": str, "command": str, **OWNER_FIELDS}
+
+
 def _fail(variant, arch, stage, failed, command, first_error) -> None:
     """Raise the build error, after keeping the log and the wrapper source in `failed` (this key's
-    folder in ``failed/``). If it cannot be written (a full disk), the cache error says so and
-    carries the compile error and the end of the log, which would otherwise be lost with the stage."""
+    folder in ``failed/``) and recording the failure there for the processes waiting for this key
+    (`_failure_since`). If it cannot be written (a full disk), the cache error says so and carries the
+    compile error and the end of the log, which would otherwise be lost with the stage."""
     repro = f"cd {shlex.quote(str(failed))} && {command.shell()}"
     error = DSV4JITBuildError(variant.id, arch.name, first_error, str(failed / "build.log"), repro)
     try:
@@ -400,6 +475,9 @@ def _fail(variant, arch, stage, failed, command, first_error) -> None:
         for name in ("build.log", WRAPPER[variant.spec.target]):
             if (stage / name).exists():
                 shutil.copy2(stage / name, failed / name)
+        (failed / FAILURE).write_text(json.dumps({
+            "first_error": first_error, "failed_at": time.time(), "log": error.log_path, "command": repro,
+            "pid": os.getpid(), "host": socket.gethostname()}))
     except OSError as e:
         try:
             tail = (stage / "build.log").read_text(errors="replace").splitlines()[-20:]
@@ -411,6 +489,18 @@ def _fail(variant, arch, stage, failed, command, first_error) -> None:
             f"  its log could not be kept; it ended with:\n" + "".join(f"    {line}\n" for line in tail) +
             f"  reproduce: {command.shell()}") from error
     raise error
+
+
+def _failure_since(failed: Path, variant: Variant, arch: Arch, since: float) -> DSV4JITBuildError | None:
+    """The failure of this key that `_fail` recorded at or after `since` (when this process began to
+    wait for the key lock): the build this process waited for failed, and compiling again would
+    fail the same way, or hang as long, once per waiting process. A later process tries again."""
+    record, _ = cache.read_json(failed / FAILURE, FAILURE_FIELDS)
+    if record is None or record["failed_at"] < since:
+        return None
+    return DSV4JITBuildError(variant.id, arch.name, f"{record['first_error']} (in the build of pid {record['pid']} "
+                             f"on host {record['host']}, which this process waited for; not compiled again)",
+                             record["log"], record["command"])
 
 
 def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, arch: Arch, seconds: float) -> None:
