@@ -8,15 +8,19 @@ file, so every test can assert how many compiles a fault cost.
 
 from __future__ import annotations
 
+import builtins
 import errno
+import io
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import filelock
@@ -25,8 +29,8 @@ import pytest
 from child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
 from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
 from dsv4jit import cli
-from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss
-from dsv4jit.jit import cache, loader
+from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss, DSV4JITLockTimeout
+from dsv4jit.jit import cache, loader, toolchain
 from dsv4jit.jit.toolchain import Arch
 
 pytestmark = pytest.mark.usefixtures("jit_env")
@@ -188,6 +192,176 @@ def test_list_and_precompile_see_a_damaged_entry(published, capsys):
 
 
 # --------------------------------------------------------------------------------------------
+# Paths the lookup cannot read, or that vanish under it
+
+
+def _deny(monkeypatch, denied, calls=("stat", "lstat", "scandir", "listdir", "open")) -> None:
+    """Make `calls` (names of os functions; "open" also stands for io.open and open) fail with EACCES
+    for the paths where `denied(path)` holds, as for another user's files. Root ignores permission
+    bits, so the calls the cache makes are patched instead."""
+    def guard(call):
+        def guarded(path, *args, **kwargs):
+            if isinstance(path, (str, bytes, os.PathLike)) and denied(Path(os.fsdecode(path))):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+            return call(path, *args, **kwargs)
+        return guarded
+
+    targets = [(os, name) for name in calls] + ([(io, "open"), (builtins, "open")] if "open" in calls else [])
+    for module, name in targets:
+        monkeypatch.setattr(module, name, guard(getattr(module, name)))
+
+
+def test_an_unreadable_write_root_is_a_miss_and_the_search_roots_serve(published, tmp_path, monkeypatch, capsys,
+                                                                       cache_dir, selftest, arch):
+    """The production set-up: a baked cache in DSV4JIT_CACHE_PATH, no compiling, and the default write
+    root in a home folder this process cannot enter."""
+    entry, counter = published
+    baked = tmp_path / "baked"
+    shutil.copytree(cache_dir, baked)
+    home = tmp_path / "home"
+    (home / ".cache" / "dsv4jit").mkdir(parents=True)
+    monkeypatch.setenv("DSV4JIT_CACHE_DIR", str(home / ".cache" / "dsv4jit"))
+    monkeypatch.setenv("DSV4JIT_CACHE_PATH", str(baked))
+    monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
+    _deny(monkeypatch, lambda path: path.is_relative_to(home))
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    capsys.readouterr()
+    assert cli.main(["list", "--kernel", "selftest", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["variants"]
+    assert row["status"] == "cached" and row["entry"] == str(baked / entry.relative_to(cache_dir))
+    assert counted(counter) == 1
+
+
+def test_an_unreadable_module_is_a_damaged_entry_not_a_crash(published, monkeypatch, caplog, selftest, arch):
+    entry, counter = published
+    real_stat, inode = os.stat, (entry / "module.so").stat().st_ino
+
+    def unreadable(path: Path) -> bool:  # that file (chmod 000, another user's), wherever it is moved
+        try:
+            return path.name == "module.so" and real_stat(path).st_ino == inode
+        except OSError:
+            return False
+
+    _deny(monkeypatch, unreadable, calls=("open",))
+    monkeypatch.setenv("DSV4JIT_NO_COMPILE", "1")
+    with pytest.raises(DSV4JITCacheMiss, match=rf"the entry at {re.escape(str(entry))} is damaged: module\.so cannot "
+                                               r"be read \(Permission denied\)"):
+        loader.load(selftest, arch)
+    monkeypatch.delenv("DSV4JIT_NO_COMPILE")
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    [warning] = _warnings(caplog)
+    assert "(module.so cannot be read (Permission denied)); moved it to .bad-" in warning
+    assert counted(counter) == 2
+
+
+def test_an_entry_removed_during_its_lookup_is_a_miss(published, monkeypatch, selftest, arch):
+    """A `clean` removes the entry between the lookup's stat of module.so and its sha256."""
+    entry, counter = published
+    sha256 = cache._sha256_file
+
+    def cleaned_first(path: Path) -> str:
+        if path == entry / "module.so":
+            shutil.rmtree(entry)
+        return sha256(path)
+
+    monkeypatch.setattr(cache, "_sha256_file", cleaned_first)
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert counted(counter) == 2 and (entry / "manifest.json").is_file()  # rebuilt
+
+
+# --------------------------------------------------------------------------------------------
+# Files of the wrong form
+
+
+def _without(entry: Path, field: str) -> None:
+    manifest = json.loads((entry / "manifest.json").read_text())
+    del manifest[field]
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+
+
+# Well-formed JSON, not of the manifest's form: each used to crash every process that met it.
+MALFORMED = {
+    "a list": lambda e: (e / "manifest.json").write_text("[]"),
+    "a string": lambda e: (e / "manifest.json").write_text('"module.so"'),
+    "variant a list": lambda e: _rewrite_manifest(e, variant=["selftest"]),
+    "built_at a string": lambda e: _rewrite_manifest(e, built_at="yesterday"),
+    "size a string": lambda e: _rewrite_manifest(e, size="1070264"),
+    "key a number": lambda e: _rewrite_manifest(e, key=7),
+    "no sha256": lambda e: _without(e, "sha256"),
+}
+
+
+@pytest.mark.parametrize("form", MALFORMED)
+def test_a_manifest_of_the_wrong_form_is_set_aside_and_rebuilt(form, published, caplog, capsys, selftest, arch):
+    entry, counter = published
+    MALFORMED[form](entry)
+    capsys.readouterr()
+    for argv in (["list", "--entries"], ["list", "--kernel", "selftest"], ["clean", "--orphans", "--dry-run"],
+                 ["clean", "--older-than", "1d", "--stale", "--dry-run"]):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    [warning] = _warnings(caplog)
+    assert "(manifest.json is malformed: " in warning and "moved it to .bad-" in warning
+    assert counted(counter) == 2
+
+
+TOOLCHAIN_FORMS = {
+    "a list": lambda table: [],
+    "a string": lambda table: "nvcc",
+    "records not objects": lambda table: {name: [1, 2] for name in table},
+    "values of another type": lambda table: {name: record | {"value": ["x"]} for name, record in table.items()},
+    "deps not an object": lambda table: {name: record | {"deps": [1]} for name, record in table.items()},
+}
+
+
+@pytest.mark.parametrize("form", TOOLCHAIN_FORMS)
+def test_a_toolchain_file_of_the_wrong_form_is_recomputed(form, published, cache_dir, selftest, arch):
+    entry, counter = published
+    file = cache_dir / "toolchain.json"
+    table = json.loads(file.read_text())
+    file.write_text(json.dumps(TOOLCHAIN_FORMS[form](table)))
+    toolchain.reset()
+    assert loader.resolve(selftest, arch).entry == entry
+    assert json.loads(file.read_text()) == table
+
+
+@pytest.mark.parametrize("owner", ["[1, 2]", '"pid 1"', '{"pid": "1", "host": "h"}', '{"pid": -1, "host": "h"}'])
+def test_an_owner_file_of_the_wrong_form_is_one_that_cannot_be_read(owner, published, monkeypatch, selftest, arch):
+    entry, counter = published
+    shutil.rmtree(entry)
+    lock = entry.with_name(entry.name + ".lock")
+    lock.with_name(lock.name + ".owner").write_text(owner)  # a waiter names the holder from it
+    holder = filelock.FileLock(str(lock))
+    holder.acquire()
+    monkeypatch.setenv("DSV4JIT_LOCK_TIMEOUT", "0.3")
+    try:
+        with pytest.raises(DSV4JITLockTimeout, match=r"waiting for the build of \S+ held by another process"):
+            loader.load(selftest, arch)
+    finally:
+        holder.release()
+    stage = cache.stage_dir(entry)  # removed by the next builder, as the stage of a dead one
+    stage.mkdir()
+    (stage / "owner.json").write_text(owner)
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert not stage.exists() and counted(counter) == 2
+
+
+def test_a_lock_path_that_is_a_folder_is_a_cache_error(published, selftest, arch):
+    entry, counter = published
+    shutil.rmtree(entry)
+    lock = entry.with_name(entry.name + ".lock")
+    lock.unlink()
+    lock.mkdir()
+    with pytest.raises(DSV4JITCacheError, match=rf"^dsv4jit: cannot write the kernel cache at "
+                                                rf"{re.escape(str(entry.parent))}: Is a directory "
+                                                rf"\({re.escape(str(lock))}\); set DSV4JIT_CACHE_DIR"):
+        loader.load(selftest, arch)
+    assert counted(counter) == 1
+
+
+# --------------------------------------------------------------------------------------------
 # Settings that change what nvcc builds
 
 
@@ -272,6 +446,55 @@ def test_compiler_past_the_build_timeout_is_killed_with_its_children(fake_nvcc, 
     assert entries_on_disk(cache_dir) == [] and stages_on_disk(cache_dir) == []
 
 
+def test_a_waiter_does_not_repeat_a_build_that_timed_out(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir,
+                                                          selftest, arch):
+    """It reports the failure of the build it waited for; a later attempt compiles again."""
+    monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "3")
+    builder, compiler = _start_slow_build(fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir)
+    try:
+        with pytest.raises(DSV4JITBuildError, match=rf"timed out after 3s \(DSV4JIT_BUILD_TIMEOUT\) \(in the build of "
+                                                    rf"pid {builder.pid} on host \S+, which this process waited for; "
+                                                    r"not compiled again\)"):
+            loader.load(selftest, arch)
+        builder.communicate(timeout=60)
+    finally:
+        kill_all([builder.pid, *compiler])
+    pids = tmp_path / "nvcc-pids"
+    assert counted(pids) == 1
+    fake_nvcc("copy", copy_from=prebuilt.module, counter=pids)  # it no longer hangs
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert counted(pids) == 2
+
+
+@pytest.mark.parametrize("how, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_precompile_stopped_by_a_signal_kills_its_compiles_at_once(how, code, fake_nvcc, prebuilt, tmp_path,
+                                                                   monkeypatch, cache_dir):
+    """Ctrl-C or SIGTERM on `precompile -j 2`: both compilers die at once, nothing is published or
+    recorded as failed, the stages are removed, and one line says so."""
+    pids = tmp_path / "nvcc-pids"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=120, counter=pids)))
+    command = subprocess.Popen([PYTHON, "-m", "dsv4jit", "precompile", "--kernel", "selftest", "--set", "all",
+                                "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    compilers: list[int] = []
+    try:
+        wait_for(lambda: counted(pids) == 2 and all(children(int(p)) for p in pids.read_text().split()), 120,
+                 "two compiles to start", command)
+        compilers = [pid for shell in map(int, pids.read_text().split()) for pid in (shell, *children(shell))]
+        sent = time.monotonic()
+        command.send_signal(getattr(signal, how))
+        _, err = command.communicate(timeout=60)
+        took = time.monotonic() - sent
+        wait_for(lambda: not any(running(pid) for pid in compilers), 10, "the compiler processes to be killed")
+    finally:
+        kill_all([command.pid, *compilers])
+    assert command.returncode == code and took < 10, (command.returncode, took, err)
+    assert "Traceback" not in err and err.count("stopped by") == 1
+    assert err.splitlines()[-1] == (f"dsv4jit: precompile stopped by {how}; compiles under way were killed and "
+                                    "published nothing")
+    assert entries_on_disk(cache_dir) == [] and stages_on_disk(cache_dir) == []
+    assert not cache.failed_dir(cache_dir).exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Unwritable places
 
@@ -307,7 +530,8 @@ def test_unwritable_lock_folder_raises_the_cache_error(lock_dir, fake_nvcc, preb
         with pytest.raises(DSV4JITCacheError) as err:
             loader.load(selftest, arch)
         setting = "DSV4JIT_LOCK_DIR" if lock_dir else "DSV4JIT_CACHE_DIR"
-        assert str(err.value) == (f"dsv4jit: cannot write the kernel cache at {folder}: Permission denied; "
+        lock = folder / f"{selftest.slug}-{loader.resolve(selftest, arch).info.key}.lock"
+        assert str(err.value) == (f"dsv4jit: cannot write the kernel cache at {folder}: Permission denied ({lock}); "
                                   f"set {setting} to a writable folder with free space")
         capsys.readouterr()
         assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 1  # a failed build, no traceback
@@ -318,8 +542,93 @@ def test_unwritable_lock_folder_raises_the_cache_error(lock_dir, fake_nvcc, preb
     assert counted(counter) == 0
 
 
+def test_a_full_disk_while_keeping_the_log_of_a_failed_build_keeps_the_compile_error(fake_nvcc, monkeypatch,
+                                                                                    cache_dir, selftest, arch):
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
+    failed = cache.failed_dir(cache_dir) / f"{selftest.slug}-{loader.resolve(selftest, arch).info.key}"
+    copy2 = shutil.copy2
+
+    def disk_full(source, target, *args, **kwargs):
+        if Path(target).parent == failed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+        return copy2(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copy2", disk_full)
+    with pytest.raises(DSV4JITCacheError) as err:
+        loader.load(selftest, arch)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith(f"dsv4jit: cannot write the kernel cache at {failed}: No space left on device")
+    assert lines[1] == f"dsv4jit: building {SELFTEST_ID} for sm_90a failed: wrapper.cu(3): error: something broke"
+    assert "    wrapper.cu(3): error: something broke" in lines  # the end of the log, which is not kept
+    assert isinstance(err.value.__cause__, DSV4JITBuildError)
+    assert stages_on_disk(cache_dir) == []
+
+
+def test_no_space_in_the_compiler_output_is_the_error_it_reports(fake_nvcc, monkeypatch, selftest, arch):
+    """Not the linker's "ld returned 1" that follows it."""
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", error_line="/usr/bin/ld: final link failed: No space "
+                                                     "left on device\ncollect2: error: ld returned 1 exit status")))
+    with pytest.raises(DSV4JITBuildError) as err:
+        loader.load(selftest, arch)
+    assert err.value.first_error.startswith("out of disk space: /usr/bin/ld: final link failed: No space left on "
+                                            "device (free some where the compiler writes")
+
+
+def test_a_cache_root_over_the_name_limit_is_a_cache_error(fake_nvcc, prebuilt, tmp_path, monkeypatch, capsys,
+                                                            selftest, arch):
+    root = tmp_path / ("x" * 300) / "cache"
+    monkeypatch.setenv("DSV4JIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    with pytest.raises(DSV4JITCacheError, match=rf"the kernel cache dir {re.escape(str(root))} is not writable "
+                                                r"\(File name too long\).* set DSV4JIT_CACHE_DIR to"):
+        loader.load(selftest, arch)
+    capsys.readouterr()
+    for argv in (["list", "--kernel", "selftest"], ["list", "--entries"], ["clean", "--all"], ["info"]):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    assert cli.main(["precompile", "--kernel", "selftest", "--set", SELFTEST_ID]) == 1
+    assert "(File name too long)" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------------
 # Concurrency
+
+
+def test_clean_and_list_leave_the_stage_of_a_live_build_alone(published, capsys):
+    """A builder writes its manifest into its stage just before the rename that publishes it."""
+    entry, counter = published
+    stage = cache.stage_dir(entry)  # of this process, which is alive
+    shutil.copytree(entry, stage)
+    (stage / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    capsys.readouterr()
+    assert cli.main(["list", "--entries", "--json"]) == 0
+    assert [row["entry"] for row in json.loads(capsys.readouterr().out)["entries"]] == [str(entry)]
+    assert cli.main(["clean", "--all", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == [str(entry)]
+    assert cli.main(["clean", "--all"]) == 0
+    assert stage.is_dir() and not entry.exists()
+
+
+def test_clean_takes_the_key_lock_before_removing_a_stage_or_a_set_aside_entry(published, monkeypatch, capsys):
+    entry, counter = published
+    bad = cache.aside_dir(entry, cache.BAD)
+    shutil.copytree(entry, bad)
+    stage = cache.stage_dir(entry)
+    stage.mkdir()
+    past = time.time() - 3600  # older than the build timeout: a leftover, once its key's lock is free
+    os.utime(stage, (past, past))
+    holder = filelock.FileLock(str(entry.with_name(entry.name + ".lock")))  # a builder of that key
+    holder.acquire()
+    monkeypatch.setenv("DSV4JIT_LOCK_TIMEOUT", "0.5")
+    try:
+        capsys.readouterr()
+        assert cli.main(["clean", "--stale"]) == 1
+        err = capsys.readouterr().err
+    finally:
+        holder.release()
+    assert re.match(rf"dsv4jit: gave up after \d+s waiting for the build of {entry.name} held by pid ", err)
+    assert bad.is_dir() and stage.is_dir()
+    assert cli.main(["clean", "--stale"]) == 0
+    assert not bad.exists() and not stage.exists() and entry.is_dir()
 
 
 def test_eight_precompiles_over_a_damaged_entry_rebuild_it_once(published, fake_nvcc, prebuilt, tmp_path):

@@ -216,8 +216,9 @@ def write_orphan(root: Path) -> Path:
     entry.mkdir(parents=True)
     (entry / "module.so").write_bytes(b"\0" * 100)
     (entry / "manifest.json").write_text(json.dumps({
-        "key": "0123456789abcdef0123", "variant": "retired[x=1]", "arch": "sm_90a", "size": 100,
-        "build_seconds": 1.0, "built_at": time.time()}))
+        "key": "0123456789abcdef0123", "source_key": "0123456789abcdef0123", "variant": "retired[x=1]",
+        "arch": "sm_90a", "document": {}, "size": 100, "sha256": "0" * 64, "build_seconds": 1.0,
+        "built_at": time.time(), "dsv4jit_version": "0.0.1", "depfile": []}))
     return entry
 
 
@@ -472,10 +473,23 @@ def test_a_bug_shows_its_traceback_and_exits_3(run, warm_cache, monkeypatch):
 
 
 @pytest.mark.parametrize("setting, value, argv, message", [
-    ("DSV4JIT_JOBS", "many", ["precompile", *SELECT], "DSV4JIT_JOBS must be a number, got 'many'"),
-    ("DSV4JIT_BUILD_TIMEOUT", "1h", ["clean", "--stale"], "DSV4JIT_BUILD_TIMEOUT must be a number, got '1h'"),
+    ("DSV4JIT_JOBS", "many", ["precompile", *SELECT],
+     "DSV4JIT_JOBS='many' is not valid: it must be a whole number greater than 0"),
+    ("DSV4JIT_JOBS", "inf", ["precompile", *SELECT],
+     "DSV4JIT_JOBS='inf' is not valid: it must be a whole number greater than 0"),
+    ("DSV4JIT_BUILD_TIMEOUT", "1h", ["clean", "--stale"],
+     "DSV4JIT_BUILD_TIMEOUT='1h' is not valid: it must be a number greater than 0"),
     ("DSV4JIT_CUDA_ARCH", "hopper", ["list", "--kernel", "selftest"],
      "DSV4JIT_CUDA_ARCH: invalid CUDA arch 'hopper': expected e.g. 9.0a, 90a or sm_90a"),
+    ("DSV4JIT_LOG_LEVEL", "chatty", ["list", "--kernel", "selftest"],
+     "DSV4JIT_LOG_LEVEL='chatty' is not a log level: use one of DEBUG, INFO, WARNING, ERROR, CRITICAL, any case"),
+    ("DSV4JIT_FORCE_REBUILD", "y", ["precompile", *SELECT],
+     "DSV4JIT_FORCE_REBUILD='y' is not a boolean: use one of 1, true, yes, on (on) or 0, false, no, off (off), "
+     "any case"),
+    ("DSV4JIT_CACHE_DIR", "~nosuchuser/x", ["list", "--entries"],
+     "DSV4JIT_CACHE_DIR='~nosuchuser/x' cannot be used as a path: Could not determine home directory."),
+    ("DSV4JIT_EXTRA_CUDA_FLAGS", '"-O3', ["list", "--kernel", "selftest"],
+     "DSV4JIT_EXTRA_CUDA_FLAGS='\"-O3' cannot be split into words as a shell would (No closing quotation)"),
 ])
 def test_a_malformed_setting_is_a_usage_error(run, warm_cache, monkeypatch, setting, value, argv, message):
     (warm_cache.entry.parent / ".stage-selftest__fp32_pdl-x-1").mkdir()  # clean --stale reads the timeout for it

@@ -110,7 +110,7 @@ def test_killed_builder_leaves_no_entry_and_its_stage_is_cleaned(fake_nvcc, preb
 def read_only_cache(cache_dir, monkeypatch):
     """Make the write root unwritable; root ignores permission bits, so then fake the check."""
     if os.geteuid() == 0:
-        monkeypatch.setattr(cache, "is_writable_root", lambda root: False)
+        monkeypatch.setattr(cache, "unwritable", lambda root: "write access denied")
     else:
         cache_dir.chmod(0o555)
     yield cache_dir
@@ -428,7 +428,7 @@ def gated_builds(monkeypatch):
         cancel(futures)
         cancelled.set()
 
-    def build_resolved(res, reason):
+    def build_resolved(res, reason, stop):
         gate["started"].append(res.variant)
         if len(gate["started"]) == 1:
             raise gate["first"]

@@ -8,9 +8,11 @@ cache). Exit codes:
   or another `DSV4JITError` (its message, no traceback);
 * 2: the command cannot run as asked, and the message says what to change: an argument (argparse's
   own errors, and a `UsageError` raised here while parsing or validating one), a ``DSV4JIT_*``
-  setting (`env.SettingError`), or a missing compiler (`DSV4JITToolchainError`);
+  setting (`DSV4JITSettingError`), or a missing compiler (`DSV4JITToolchainError`);
 * 3: a bug in dsv4jit: any other exception, a ValueError from inside the library included, with
-  its traceback.
+  its traceback;
+* 130, 143: interrupted by Ctrl-C (SIGINT) or stopped by SIGTERM (128 + the signal, the shell's
+  convention): compiles under way are killed and publish nothing, and one line says so.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import functools
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from . import __version__, env
-from .errors import DSV4JITError, DSV4JITToolchainError
+from .errors import DSV4JITError, DSV4JITSettingError, DSV4JITToolchainError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
@@ -46,14 +50,11 @@ ARCH_DEFAULT = f"(default: DSV4JIT_CUDA_ARCH, else auto; with no GPU visible: {N
 
 
 def _archs(text: str | None) -> list:
-    from .jit.toolchain import Arch, device_arch
+    from .jit.toolchain import Arch, device_arch, forced_arch
 
     if text in (None, ""):
-        if forced := env.cuda_arch():
-            try:
-                return [Arch.parse(forced)]
-            except ValueError as e:
-                raise env.SettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
+        if forced := forced_arch():
+            return [forced]
         text = "auto"
     if text == "auto":
         import torch
@@ -466,24 +467,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that builds under way
+    are stopped and cleaned up (jit/batch.py) instead of the process vanishing without a word."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, env.log_level(), logging.INFO), format="%(message)s",
-                        stream=sys.stderr)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
     try:
+        logging.basicConfig(level=env.log_level(), format="%(message)s", stream=sys.stderr)
         return args.func(args)
-    except (UsageError, env.SettingError, DSV4JITToolchainError) as e:
+    except (UsageError, DSV4JITSettingError, DSV4JITToolchainError) as e:
         print(f"dsv4jit: {e}", file=sys.stderr)
         return EXIT_USAGE
     except DSV4JITError as e:
         print(str(e), file=sys.stderr)
         return EXIT_FAILED
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        print(f"dsv4jit: {args.command} stopped by {signum.name}; compiles under way were killed and published "
+              "nothing", file=sys.stderr)
+        return 128 + signum
     except Exception:  # noqa: BLE001 - a bug: the traceback says where
         traceback.print_exc()
         print(f"dsv4jit: internal error (exit {EXIT_BUG}): a bug in dsv4jit {__version__}; please report it "
               "with the traceback above", file=sys.stderr)
         return EXIT_BUG
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
 if __name__ == "__main__":

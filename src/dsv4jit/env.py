@@ -1,47 +1,77 @@
-"""Every ``DSV4JIT_*`` environment variable, read in one place (documented in docs/jit.md).
+"""Every ``DSV4JIT_*`` environment variable, read and parsed in one place (documented in docs/jit.md).
 
-Values are read when used, not at import. Results derived from them are memoised per process
-where a hot path needs it: the toolchain, device arches, loaded modules, and DSV4JIT_CHECK (see
-``dsv4jit.set_checks`` to change checked mode at run time).
+Values are read when used, not at import, and parsed strictly: a value outside what a variable
+accepts raises `DSV4JITSettingError` naming the variable, the value and the accepted values, never
+a silent default. Results derived from them are memoised per process where a hot path needs it:
+the toolchain, device arches, loaded modules, and DSV4JIT_CHECK (see ``dsv4jit.set_checks`` to
+change checked mode at run time).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from pathlib import Path
 
+from .errors import DSV4JITSettingError
 
-class SettingError(ValueError):
-    """A ``DSV4JIT_*`` variable holds a value dsv4jit cannot use (the CLI reports it as a usage error)."""
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Seconds one compiler run may take. A variant compiles in seconds to about a minute, so a hung
+#: compiler, which every first-use caller of that variant waits on, is found in minutes, with a wide
+#: margin for a busy machine.
+DEFAULT_BUILD_TIMEOUT = 600.0
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """Unset or empty: off."""
+    value = _raw(name).lower()
+    if value in TRUE:
+        return True
+    if value in FALSE or not value:
+        return False
+    raise DSV4JITSettingError(f"{name}={os.environ[name]!r} is not a boolean: use one of "
+                              f"{', '.join(TRUE)} (on) or {', '.join(FALSE)} (off), any case")
 
 
-def _number(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
+def _positive(name: str, default: float, integer: bool = False) -> float:
+    """A finite number > 0 (an integer if `integer`); unset or empty: `default`."""
+    raw = _raw(name)
     if not raw:
         return default
     try:
-        return float(raw)
+        value = int(raw) if integer else float(raw)
     except ValueError:
-        raise SettingError(f"{name} must be a number, got {raw!r}") from None
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        kind = "a whole number" if integer else "a number"
+        raise DSV4JITSettingError(f"{name}={os.environ[name]!r} is not valid: it must be {kind} greater than 0")
+    return value
+
+
+def _path(name: str, raw: str) -> Path:
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError as e:  # "~someone" of an unknown user, or no home folder
+        raise DSV4JITSettingError(f"{name}={raw!r} cannot be used as a path: {e}") from None
 
 
 def cache_dir() -> Path:
     """Write root of the kernel cache."""
     if raw := os.environ.get("DSV4JIT_CACHE_DIR"):
-        return Path(raw).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "dsv4jit"
+        return _path("DSV4JIT_CACHE_DIR", raw)
+    return _path("XDG_CACHE_HOME", os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "dsv4jit"
 
 
 def cache_path() -> list[Path]:
     """Extra read-only cache roots (colon separated), searched after the write root."""
     raw = os.environ.get("DSV4JIT_CACHE_PATH", "")
-    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p]
+    return [_path("DSV4JIT_CACHE_PATH", p) for p in raw.split(os.pathsep) if p]
 
 
 def no_compile() -> bool:
@@ -53,15 +83,17 @@ def force_rebuild() -> bool:
 
 
 def cuda_arch() -> str | None:
-    return os.environ.get("DSV4JIT_CUDA_ARCH") or None
+    """The text of DSV4JIT_CUDA_ARCH (parsed by ``toolchain.forced_arch``)."""
+    return _raw("DSV4JIT_CUDA_ARCH") or None
 
 
 def nvcc() -> str | None:
     return os.environ.get("DSV4JIT_NVCC") or None
 
 
-def cuda_homes() -> list[str]:
-    return [v for v in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if v]
+def cuda_homes() -> list[tuple[str, str]]:
+    """(variable, value) of CUDA_HOME and CUDA_PATH, those that are set, in that order."""
+    return [(name, value) for name in ("CUDA_HOME", "CUDA_PATH") if (value := os.environ.get(name))]
 
 
 def cxx() -> str | None:
@@ -69,29 +101,34 @@ def cxx() -> str | None:
 
 
 def jobs() -> int | None:
-    value = _number("DSV4JIT_JOBS", 0)
-    return int(value) if value > 0 else None
+    """DSV4JIT_JOBS, or None (unset: the memory-aware default)."""
+    return int(_positive("DSV4JIT_JOBS", 0, integer=True)) or None
 
 
 def job_mem_gb() -> float:
-    return _number("DSV4JIT_JOB_MEM_GB", 4.0)
+    return _positive("DSV4JIT_JOB_MEM_GB", 4.0)
 
 
 def build_timeout() -> float:
-    return _number("DSV4JIT_BUILD_TIMEOUT", 1800.0)
+    return _positive("DSV4JIT_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
 
 
 def lock_timeout() -> float:
-    return _number("DSV4JIT_LOCK_TIMEOUT", 2 * build_timeout())
+    return _positive("DSV4JIT_LOCK_TIMEOUT", 2 * build_timeout())
 
 
 def lock_dir() -> Path | None:
     raw = os.environ.get("DSV4JIT_LOCK_DIR")
-    return Path(raw).expanduser() if raw else None
+    return _path("DSV4JIT_LOCK_DIR", raw) if raw else None
 
 
 def extra_cuda_flags() -> list[str]:
-    return shlex.split(os.environ.get("DSV4JIT_EXTRA_CUDA_FLAGS", ""))
+    raw = os.environ.get("DSV4JIT_EXTRA_CUDA_FLAGS", "")
+    try:
+        return shlex.split(raw)
+    except ValueError as e:  # an unclosed quote
+        raise DSV4JITSettingError(f"DSV4JIT_EXTRA_CUDA_FLAGS={raw!r} cannot be split into words as a shell "
+                                  f"would ({e})") from None
 
 
 def nvcc_flag_variables() -> dict[str, str]:
@@ -112,7 +149,11 @@ def disable_pdl() -> bool:
 
 
 def log_level() -> str:
-    return os.environ.get("DSV4JIT_LOG_LEVEL", "INFO").upper()
+    value = _raw("DSV4JIT_LOG_LEVEL").upper() or "INFO"
+    if value not in LOG_LEVELS:
+        raise DSV4JITSettingError(f"DSV4JIT_LOG_LEVEL={os.environ['DSV4JIT_LOG_LEVEL']!r} is not a log level: use "
+                                  f"one of {', '.join(LOG_LEVELS)}, any case")
+    return value
 
 
 def verbose_build() -> bool:
@@ -120,9 +161,10 @@ def verbose_build() -> bool:
 
 
 def cache_fallback() -> str:
-    value = os.environ.get("DSV4JIT_CACHE_FALLBACK", "error").strip().lower()
+    value = _raw("DSV4JIT_CACHE_FALLBACK").lower() or "error"
     if value not in ("error", "tmp"):
-        raise SettingError(f"DSV4JIT_CACHE_FALLBACK must be 'error' or 'tmp', got {value!r}")
+        raise DSV4JITSettingError(f"DSV4JIT_CACHE_FALLBACK={os.environ['DSV4JIT_CACHE_FALLBACK']!r} is not valid: "
+                                  "use error or tmp")
     return value
 
 

@@ -1,4 +1,4 @@
-"""Exceptions raised by the JIT loader. Kernel argument errors are plain ValueError/TypeError."""
+"""Exceptions raised by the JIT loader and the settings. Kernel argument errors are plain ValueError/TypeError."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ class DSV4JITToolchainError(DSV4JITError):
 
 class DSV4JITCacheError(DSV4JITError):
     """The cache directory cannot be written (permissions, read-only, disk full)."""
+
+
+class DSV4JITSettingError(DSV4JITError):
+    """A ``DSV4JIT_*`` variable (or another variable dsv4jit reads) holds a value it cannot use; the
+    message names the variable, the value and what it accepts."""
 
 
 class DSV4JITLockTimeout(DSV4JITError):

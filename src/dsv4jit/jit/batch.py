@@ -2,8 +2,9 @@
 
 Each build runs under its own key lock (build.py), so the builds of one batch run in parallel and
 cooperate with other processes building the same keys. A build that fails with a `DSV4JITError` is
-an outcome of the batch; any other exception (a bug, Ctrl-C) cancels the builds not yet started
-and propagates.
+an outcome of the batch. A setting error (the same for every build) or any other exception (a bug,
+Ctrl-C, SIGTERM turned into an exception) cancels the builds not yet started, kills the compilers of
+those under way, whose stages are removed and which publish nothing, and propagates.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITError
+from ..errors import DSV4JITError, DSV4JITSettingError
 from . import build, loader
 from .loader import Resolution
 from .registry import Variant
@@ -87,8 +88,9 @@ def build_all(todo: list[Resolution], reason: str, jobs: int | None = None, *, k
     jobs = jobs or default_jobs(len(todo))
     start = time.monotonic()
     outcomes: list[Outcome] = []
+    stop = build.Stop()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(_timed_build, res, reason): res for res in todo}
+        futures = {pool.submit(_timed_build, res, reason, stop): res for res in todo}
         try:
             for future in as_completed(futures):
                 outcome = _outcome(futures[future], future)
@@ -97,15 +99,16 @@ def build_all(todo: list[Resolution], reason: str, jobs: int | None = None, *, k
                 outcomes.append(outcome)
                 if on_outcome is not None:
                     on_outcome(len(outcomes), outcome)
-        except BaseException:  # the pool's exit waits for every build it has: start no more of them
+        except BaseException:  # the pool's exit waits for every build it has: start no more, stop the others
             _cancel(futures)
+            stop.set()
             raise
     return Batch(outcomes, jobs, time.monotonic() - start)
 
 
-def _timed_build(res: Resolution, reason: str) -> tuple[build.Built, float]:
+def _timed_build(res: Resolution, reason: str, stop: build.Stop) -> tuple[build.Built, float]:
     start = time.monotonic()
-    return loader.build_resolved(res, reason), time.monotonic() - start
+    return loader.build_resolved(res, reason, stop=stop), time.monotonic() - start
 
 
 def _outcome(res: Resolution, future: Future) -> Outcome:
@@ -113,6 +116,8 @@ def _outcome(res: Resolution, future: Future) -> Outcome:
         return Outcome(res, "cancelled")
     try:
         built, seconds = future.result()
+    except DSV4JITSettingError:
+        raise
     except DSV4JITError as e:
         return Outcome(res, "failed", error=e)
     return Outcome(res, "built" if built.compiled else "cached", built, seconds)

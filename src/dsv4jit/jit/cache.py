@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,9 +180,68 @@ class Damaged:
     problem: str
 
 
+def entry_of(folder: Path) -> Path:
+    """The entry whose key a stage, swapped-out or set-aside folder (`stage_dir`, `aside_dir`) is of:
+    that key's lock guards them all. An entry is its own."""
+    name = folder.name
+    if name.startswith(STAGE):
+        return folder.with_name(name[len(STAGE):].rsplit("-", 2)[0])
+    for prefix in (OLD, BAD):
+        if name.startswith(prefix):
+            return folder.with_name(name[len(prefix):].rsplit("-", 1)[0])
+    return folder
+
+
+def stage_dir(entry: Path) -> Path:
+    """A new folder to build `entry` in, beside it: the builder's pid and a random part make it unique."""
+    return entry.with_name(f"{STAGE}{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def aside_dir(entry: Path, prefix: str) -> Path:
+    """A new name for `entry` moved out of the way (`OLD` or `BAD`)."""
+    return entry.with_name(f"{prefix}{entry.name}-{uuid.uuid4().hex[:8]}")
+
+
+def folders(folder: Path, pattern: str) -> list[Path]:
+    """``folder.glob(pattern)``, sorted; nothing where `folder` cannot be read (missing, another
+    user's, a path over the length limit): lookups and listings go on without it."""
+    try:
+        return sorted(folder.glob(pattern))
+    except OSError:
+        return []
+
+
 def module_record(module: Path) -> dict:
     """What a manifest records of ``module.so``, checked before every dlopen (see `entry_problem`)."""
     return {"size": module.stat().st_size, "sha256": _sha256_file(module)}
+
+
+#: The fields of ``manifest.json`` (build.py writes them) and their JSON types: a manifest with a
+#: field missing or of another type is damaged, like one that does not parse.
+MANIFEST_FIELDS = {"key": str, "source_key": str, "variant": str, "arch": str, "document": dict,
+                   "built_at": (int, float), "build_seconds": (int, float), "size": int, "sha256": str,
+                   "dsv4jit_version": str, "depfile": list}
+
+
+def read_json(path: Path, fields: dict) -> tuple[dict | None, str | None]:
+    """The JSON object in `path` if each of `fields` (name: type) is there with its type, else None
+    and why not. Every file the cache reads goes through here, so that one written by hand, by a
+    broken writer or by another version counts as missing or damaged, never as a crash."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, "missing or unreadable"
+    if not isinstance(value, dict):
+        return None, f"malformed: not a JSON object ({json.dumps(value)[:40]})"
+    for field, kind in fields.items():
+        if not isinstance(value.get(field), kind) or isinstance(value.get(field), bool):
+            return None, f"malformed: its {field!r} is {json.dumps(value.get(field))[:40]}"
+    return value, None
+
+
+def read_manifest(entry: Path) -> dict | None:
+    """The entry's manifest when it parses and has every field of its type (`MANIFEST_FIELDS`)."""
+    return read_json(entry / "manifest.json", MANIFEST_FIELDS)[0]
 
 
 def entry_problem(entry: Path, key: str | None = None) -> str | None:
@@ -191,21 +251,20 @@ def entry_problem(entry: Path, key: str | None = None) -> str | None:
     of another variant would load silently. Costs a stat and a sha256 of the module (about 1 ms
     per MB), once per variant and process.
     """
-    manifest = read_manifest(entry)
-    if manifest is None:
-        return "manifest.json is missing or unreadable"
-    if key is not None and manifest.get("key") != key:
-        return f"manifest.json is for key {manifest.get('key')}, not {key}"
-    if not isinstance(manifest.get("sha256"), str):
-        return "manifest.json records no sha256 of module.so (an entry of an older dsv4jit)"
+    manifest, problem = read_json(entry / "manifest.json", MANIFEST_FIELDS)
+    if problem is not None:
+        return f"manifest.json is {problem}"
+    if key is not None and manifest["key"] != key:
+        return f"manifest.json is for key {manifest['key']}, not {key}"
     module = entry / "module.so"
-    try:
+    try:  # it may be unreadable (permissions), or removed meanwhile by a concurrent clean
         size = module.stat().st_size
+        if size != manifest["size"]:
+            return f"module.so has {size} bytes, the manifest records {manifest['size']}"
+        digest = _sha256_file(module)
     except OSError as e:
         return f"module.so cannot be read ({e.strerror})"
-    if size != manifest.get("size"):
-        return f"module.so has {size} bytes, the manifest records {manifest.get('size')}"
-    if _sha256_file(module) != manifest["sha256"]:
+    if digest != manifest["sha256"]:
         return "module.so does not match the sha256 in manifest.json"
     return None
 
@@ -213,21 +272,19 @@ def entry_problem(entry: Path, key: str | None = None) -> str | None:
 def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: str | None = None,
                root: Path | None = None) -> tuple[Path | None, list[Damaged]]:
     """First verified entry in the roots (`roots`), and the damaged ones met on the way. With no
-    toolchain (``info`` None) match on the source key."""
+    toolchain (``info`` None) match on the source key. A root that cannot be read is searched as an
+    empty one."""
     damaged: list[Damaged] = []
     for searched in roots(root):
         if info is not None:
             candidates = [entry_dir(searched, arch, variant, info.key)]
         else:
-            folder = kernel_dir(searched, arch, variant)
-            matches = []
-            for entry in folder.glob(f"{variant.slug}-*") if folder.is_dir() else ():
-                manifest = read_manifest(entry)
-                if manifest and manifest.get("source_key") == source_key:
-                    matches.append((manifest.get("built_at", 0), entry))
+            matches = [(manifest["built_at"], entry)
+                       for entry in folders(kernel_dir(searched, arch, variant), f"{variant.slug}-*")
+                       if (manifest := read_manifest(entry)) and manifest["source_key"] == source_key]
             candidates = [entry for _, entry in sorted(matches, reverse=True)]  # most recently built first
         for entry in candidates:
-            if not entry.is_dir():
+            if not os.path.isdir(entry):  # False, not an error, where the path cannot be read
                 continue
             problem = entry_problem(entry, info.key if info is not None else None)
             if problem is None:
@@ -236,19 +293,10 @@ def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: s
     return None, damaged
 
 
-def read_manifest(entry: Path) -> dict | None:
-    try:
-        return json.loads((entry / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def iter_entries(root: Path):
-    """Every complete entry under a root, with its manifest (for list/clean)."""
-    base = schema_dir(root)
-    if not base.is_dir():
-        return
-    for manifest_file in sorted(base.glob("*/*/*/manifest.json")):
+    """Every complete entry under a root, with its manifest (for list/clean); never the stages,
+    swapped-out and set-aside folders beside them, whose names start with a dot."""
+    for manifest_file in folders(schema_dir(root), "*/*/[!.]*/manifest.json"):
         manifest = read_manifest(manifest_file.parent)
         if manifest is not None:
             yield manifest_file.parent, manifest
@@ -265,9 +313,10 @@ def dir_size(path: Path) -> int:
     return total
 
 
-def is_writable_root(root: Path) -> bool:
+def unwritable(root: Path) -> str | None:
+    """Why nothing can be built into `root` (made if missing), or None when it can."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(root, os.W_OK | os.X_OK)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None if os.access(root, os.W_OK | os.X_OK) else "write access denied"

@@ -1,24 +1,23 @@
 """Removing entries and build leftovers from the write root (what ``python -m dsv4jit clean`` does).
 
 Only the write root is touched: search roots (DSV4JIT_CACHE_PATH) are never cleaned. Lock files and
-``toolchain.json`` are kept, and an entry is removed under its key lock, so a concurrent builder of
-that key is not disturbed.
+``toolchain.json`` are kept, and an entry, or a stage or set-aside folder of its key, is removed
+under the key's lock, so a concurrent builder of that key is not disturbed.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-import filelock
-
 from .. import env
 from . import cache, loader
-from .build import lock_file
+from .build import KeyLock, lock_file
 from .kernels import SPECS
 from .registry import parse_variant_id
 from .toolchain import Arch
@@ -66,12 +65,20 @@ def _leftovers(root: Path, now: float) -> list[Path]:
     (younger ones may be live builds), entries swapped out by a forced rebuild or set aside as
     damaged, and the logs of failed builds."""
     base = cache.schema_dir(root)
-    found = [p for p in root.glob("v*") if p.is_dir() and p.name != base.name]
-    found += [p for p in base.glob(f"*/*/{cache.STAGE}*") if now - p.stat().st_mtime > env.build_timeout()]
-    found += list(base.glob(f"*/*/{cache.OLD}*")) + list(base.glob(f"*/*/{cache.BAD}*"))
-    if cache.failed_dir(root).is_dir():
+    timeout = env.build_timeout()
+    found = [p for p in cache.folders(root, "v*") if os.path.isdir(p) and p.name != base.name]
+    found += [p for p in cache.folders(base, f"*/*/{cache.STAGE}*") if now - _mtime(p, now) > timeout]
+    found += cache.folders(base, f"*/*/{cache.OLD}*") + cache.folders(base, f"*/*/{cache.BAD}*")
+    if os.path.isdir(cache.failed_dir(root)):
         found.append(cache.failed_dir(root))
     return found
+
+
+def _mtime(path: Path, now: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # gone meanwhile (its build ended): nothing to remove
+        return now
 
 
 def _superseded(root: Path) -> list[Path]:
@@ -100,10 +107,15 @@ def _registry_ids() -> frozenset[str]:
 
 
 def _remove(root: Path, path: Path) -> None:
-    """Delete under the key lock where builders take it, if that lock file exists."""
+    """Delete under the lock of the key `path` is of (an entry, or a stage or set-aside folder of
+    its key), where builders take it, if that lock file exists: a key's builder never loses its
+    stage, or the entry it is checking, to a concurrent clean."""
+    if path.parent.parent.parent != cache.schema_dir(root):  # not of a key: an old schema, failed/
+        shutil.rmtree(path, ignore_errors=True)
+        return
     lock = lock_file(root, path)
     if not lock.exists():
         shutil.rmtree(path, ignore_errors=True)
         return
-    with filelock.FileLock(str(lock), timeout=env.lock_timeout()):
+    with KeyLock(lock, cache.entry_of(path).name):
         shutil.rmtree(path, ignore_errors=True)

@@ -65,8 +65,8 @@ def installation() -> dict:
                      "dlpack_c_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__")}
     info["gpus"] = [{"index": i, "name": torch.cuda.get_device_name(i), "arch": device_arch(i).name}
                     for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    info["cache_roots"] = [{"path": str(r), "writable": i == 0 and cache.is_writable_root(r),
-                            "read_only_search_root": i > 0, "bytes": cache.dir_size(r) if r.exists() else 0}
+    info["cache_roots"] = [{"path": str(r), "writable": i == 0 and cache.unwritable(r) is None,
+                            "read_only_search_root": i > 0, "bytes": cache.dir_size(r)}
                            for i, r in enumerate(cache.roots())]
     info["env"] = env.all_settings()
     return info

@@ -115,17 +115,19 @@ def _reason(res: Resolution, distrust: cache.Damaged | None) -> str:
     return "no cache entry"
 
 
-def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None = None) -> build.Built:
+def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None = None,
+                   stop: build.Stop | None = None) -> build.Built:
     """Build a resolved variant (`res.info` set: a toolchain was found) into its write root. Damaged
     entries outside the write root, which dsv4jit never modifies, are reported and left; the builder
-    moves the write root's aside."""
+    moves the write root's aside. `stop`: that of the batch this build is part of (`build.Stop`)."""
     own = cache.entry_dir(res.root, res.arch, res.variant, res.info.key)
     for d in res.damaged:
         if d.entry != own:
             log.warning("dsv4jit: cached %s at %s is damaged (%s); building into the write root", res.variant.id,
                         d.entry, d.problem)
     tc = toolchain(need_cuda=not res.arch.is_host, root=res.root)
-    return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, res.root, distrust)
+    return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, res.root, distrust,
+                       stop)
 
 
 def variant(kernel: str, **params) -> Variant:

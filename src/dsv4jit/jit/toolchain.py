@@ -8,6 +8,7 @@ remembered on disk per compiler file (path, size, mtime), so a warm load runs no
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITToolchainError
+from ..errors import DSV4JITSettingError, DSV4JITToolchainError
 
 _NVCC_SEARCH = "DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda"
 
@@ -84,10 +85,21 @@ def device_arch(index: int) -> Arch:
     return Arch.from_capability(major, minor)
 
 
+def forced_arch() -> Arch | None:
+    """The arch ``DSV4JIT_CUDA_ARCH`` names, or None when it is unset."""
+    text = env.cuda_arch()
+    if text is None:
+        return None
+    try:
+        return Arch.parse(text)
+    except ValueError as e:
+        raise DSV4JITSettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
+
+
 def resolve_arch(device_index: int | None = None) -> Arch:
     """``DSV4JIT_CUDA_ARCH`` if set, else the arch of the given (or current) CUDA device."""
-    if forced := env.cuda_arch():
-        return Arch.parse(forced)
+    if forced := forced_arch():
+        return forced
     import torch
 
     if not torch.cuda.is_available():
@@ -106,26 +118,32 @@ def _stat_key(path: Path) -> list:
     return [str(path), st.st_size, st.st_mtime_ns]
 
 
-def _cached(kind: str, path: Path, compute, cache_file: Path) -> dict:
+def _cached(kind: str, path: Path, compute, valid, cache_file: Path):
+    """The record of compiler file `path` in `cache_file`, if its stamps match and `valid(value)`;
+    else ``compute()`` (value, files it depends on), stored. A file or record of another form (written
+    by hand, or by a broken writer) counts as absent and is replaced."""
     stamp = _stat_key(path)
     try:
         table = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         table = {}
+    if not isinstance(table, dict):
+        table = {}
     entry = table.get(f"{kind}:{path}")
-    if entry and entry.get("stamp") == stamp and all(
-            _safe_stat(Path(p)) == s for p, s in entry.get("deps", {}).items()):
+    if (isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("deps"), dict)
+            and all(_safe_stat(Path(p)) == s for p, s in entry["deps"].items()) and valid(entry.get("value"))):
         return entry["value"]
     value, deps = compute()
     table[f"{kind}:{path}"] = {"stamp": stamp, "value": value,
                                "deps": {str(p): _safe_stat(p) for p in deps}}
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, cache_file)
-    except OSError:
-        pass  # a read-only cache only costs the subprocess next time
+    except OSError:  # a read-only or full cache only costs the subprocess next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return value
 
 
@@ -146,21 +164,32 @@ def _run(cmd: list[str]) -> str:
     return res.stdout + res.stderr
 
 
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
 def _find_nvcc() -> Path:
-    candidates: list[str] = []
+    """The nvcc that the first of DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH that is set names (never passed
+    over for another toolkit); with none set, nvcc on PATH, else /usr/local/cuda's."""
     if explicit := env.nvcc():
-        candidates.append(explicit)
-    candidates += [os.path.join(h, "bin", "nvcc") for h in env.cuda_homes()]
-    if on_path := shutil.which("nvcc"):
-        candidates.append(on_path)
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    for c in candidates:
-        p = Path(c)
-        if p.is_file() and os.access(p, os.X_OK):
-            return p.absolute()
+        return _named_nvcc("DSV4JIT_NVCC", explicit, explicit)
+    if homes := env.cuda_homes():
+        name, home = homes[0]
+        return _named_nvcc(name, home, os.path.join(home, "bin", "nvcc"))
+    for candidate in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and _executable(candidate):
+            return Path(candidate).absolute()
     raise DSV4JITToolchainError(
         f"nvcc not found (looked at {_NVCC_SEARCH}); install the CUDA toolkit or precompile this "
         "variant where one exists: python -m dsv4jit precompile --arch 9.0a")
+
+
+def _named_nvcc(variable: str, value: str, nvcc: str) -> Path:
+    if not _executable(nvcc):
+        raise DSV4JITToolchainError(f"{variable}={value!r} names no nvcc ({nvcc} is not an executable file); "
+                                    f"set it to {'an nvcc' if variable == 'DSV4JIT_NVCC' else 'a CUDA toolkit'}, "
+                                    "or unset it")
+    return Path(nvcc).absolute()
 
 
 @dataclass(frozen=True)
@@ -187,7 +216,11 @@ def _nvcc_identity(nvcc: Path, cache_file: Path):
         real = root / "bin" / "nvcc"
         version = _run([str(real), "--version"]).strip()
         return {"root": str(root), "version": version}, [real]
-    return _cached("nvcc", nvcc, compute, cache_file)
+    return _cached("nvcc", nvcc, compute, _is_identity, cache_file)
+
+
+def _is_identity(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("root", "version"))
 
 
 def _find_cxx() -> Path:
@@ -201,7 +234,8 @@ def _find_cxx() -> Path:
 
 
 def _cxx_version(cxx: Path, cache_file: Path) -> str:
-    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), cache_file)
+    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), lambda v: isinstance(v, str),
+                   cache_file)
 
 
 @functools.lru_cache(maxsize=None)
