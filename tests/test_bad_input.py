@@ -340,7 +340,10 @@ ROWS = [
     ("warmup", "head_dims", lambda kw: {4: (128.0,)}, TypeError, r" must be an int, got float 128.0"),
     ("warmup", "use_fp4", lambda kw: "yes", TypeError, r" must be a bool, got str"),
     ("warmup", "jobs", lambda kw: 1.5, TypeError, r" must be an int, got float 1.5"),
-    ("warmup", "arch", lambda kw: "sm_9x", ValueError, r" must be a CUDA arch such as '9.0a'"),
+    ("warmup", "arch", lambda kw: "sm_9x", ValueError, r": invalid CUDA arch 'sm_9x': expected e.g. 9.0a"),
+    ("warmup", "arch", lambda kw: "8.0", ValueError,
+     r": unsupported CUDA arch '8.0' \(sm_80\): the kernels build for sm_90a \(H100, H200\), sm_100a"),
+    ("warmup", "arch", lambda kw: 9.0, TypeError, r" must be a str such as '9.0a' or 'sm_90a', got float 9.0"),
     ("warmup (cpu)", "device", lambda kw: "gpu:0", ValueError, r" must be a torch device"),
     ("set_checks", "enabled", lambda kw: "yes", TypeError, r" must be a bool or None, got str 'yes'"),
 ]

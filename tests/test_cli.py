@@ -369,7 +369,6 @@ def test_info_check_without_gpu(run, warm_cache):
 
 @pytest.mark.parametrize("argv, setting, expected", [
     (["--arch", "9.0a"], None, "selftest[dtype=fp32,pdl=1] for sm_90a"),
-    (["--arch", "8.0"], None, "selftest[dtype=fp32,pdl=0] for sm_80"),  # PDL needs sm_90
     (["--arch", "9.0a"], "DSV4JIT_DISABLE_PDL", "selftest[dtype=fp32,pdl=0] for sm_90a"),
 ])
 def test_info_check_loads_the_variant_the_ops_would(run, fake_nvcc, prebuilt, monkeypatch, argv, setting, expected):
@@ -382,6 +381,46 @@ def test_info_check_loads_the_variant_the_ops_would(run, fake_nvcc, prebuilt, mo
     code, info = run_json(run, "info", "--check", *argv)
     assert code == 0 and info["check"]["ok"] is True
     assert info["check"]["detail"].startswith(f"{expected} loaded in ")
+
+
+SUPPORTED = "the kernels build for sm_90a (H100, H200), sm_100a (B200, GB200), sm_120a (RTX 50-series, RTX PRO Blackwell)"
+
+
+@pytest.mark.parametrize("argv, setting, error", [
+    (["precompile", "--arch", "8.0"], None, "unsupported CUDA arch '8.0' (sm_80)"),
+    (["precompile", "--arch", "9.0a,9.5"], None, "unsupported CUDA arch '9.5' (sm_95a)"),
+    (["info", "--check", "--arch", "sm_103a"], None, "unsupported CUDA arch 'sm_103a' (sm_103a)"),
+    (["list", "--kernel", "plan"], "10.0f", "DSV4JIT_CUDA_ARCH: unsupported CUDA arch '10.0f' (sm_100f)"),
+])
+def test_an_unsupported_arch_is_rejected_before_compiling(run, fake_nvcc, tmp_path, monkeypatch, argv, setting,
+                                                          error):
+    calls = tmp_path / "nvcc-calls"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=calls)))
+    if setting:
+        monkeypatch.setenv("DSV4JIT_CUDA_ARCH", setting)
+    code, out, err = run(*argv)
+    assert (code, out, err) == (2, "", f"dsv4jit: {error}: {SUPPORTED}\n")
+    assert not calls.exists()
+
+
+def test_a_gpu_of_an_unsupported_arch_is_named_before_compiling(run, fake_nvcc, tmp_path, monkeypatch):
+    import torch
+
+    from dsv4jit.errors import DSV4JITToolchainError
+
+    calls = tmp_path / "nvcc-calls"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=calls)))
+    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    error = f"GPU 0 (NVIDIA A100-SXM4-80GB) is sm_80, which dsv4jit does not support ({SUPPORTED})"
+    assert run("precompile", "--kernel", "selftest") == (2, "", f"dsv4jit: {error}\n")
+    with pytest.raises(DSV4JITToolchainError, match=re.escape(error)):
+        loader.arch_for(torch.device("cuda", 0))  # what the ops and warmup resolve
+    assert not calls.exists()
 
 
 def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):

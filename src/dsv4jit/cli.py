@@ -46,14 +46,11 @@ ARCH_DEFAULT = f"(default: DSV4JIT_CUDA_ARCH, else auto; with no GPU visible: {N
 
 
 def _archs(text: str | None) -> list:
-    from .jit.toolchain import Arch, device_arch
+    from .jit.toolchain import Arch, device_target, forced_arch
 
     if text in (None, ""):
-        if forced := env.cuda_arch():
-            try:
-                return [Arch.parse(forced)]
-            except ValueError as e:
-                raise env.SettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
+        if forced := forced_arch():
+            return [forced]
         text = "auto"
     if text == "auto":
         import torch
@@ -63,7 +60,7 @@ def _archs(text: str | None) -> list:
             print(f"dsv4jit: no GPU visible: targeting {arch} (pass --arch or set DSV4JIT_CUDA_ARCH for another)",
                   file=sys.stderr)
             return [arch]
-        return sorted({device_arch(i) for i in range(torch.cuda.device_count())}, key=str)
+        return sorted({device_target(i) for i in range(torch.cuda.device_count())}, key=str)
     try:
         return [Arch.parse(a) for a in text.split(",") if a.strip()]
     except ValueError as e:
@@ -88,7 +85,9 @@ def _variant_id(text: str):
     try:
         return parse_variant_id(text, SPECS)
     except ValueError as e:
-        examples = list(dict.fromkeys(v.id for v in spec.serving_variants() + spec.all_variants()))[:2]
+        from .runtime import serving_variants
+
+        examples = list(dict.fromkeys(v.id for v in serving_variants(spec) + spec.all_variants()))[:2]
         raise UsageError(f"{e}; variant ids look like {' or '.join(examples)} "
                          f"(all of them: python -m dsv4jit list --kernel {spec.name} --set all)") from None
 
@@ -96,12 +95,13 @@ def _variant_id(text: str):
 def _variants(kernels: list[str] | None, sets: list[str] | None, filters: list[str] | None = None) -> list:
     from .jit.kernels import SPECS
     from .jit.registry import unique
+    from .runtime import serving_variants
 
     specs = [_spec(k) for k in kernels] if kernels else list(SPECS.values())
     out = []
     for s in sets or ["default"]:
         if s == "default":
-            out += [v for spec in specs for v in spec.serving_variants()]
+            out += [v for spec in specs for v in serving_variants(spec)]
         elif s == "all":
             out += [v for spec in specs for v in spec.all_variants()]
         else:
