@@ -186,10 +186,16 @@ def test_precompile_without_nvcc_accepts_cached_variants(run, no_toolchain, warm
 def test_list_shows_status(run, warm_cache):
     code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
     assert code == 0, err
-    lines = {tuple(line.split()[:3]) for line in out.splitlines()}
-    assert ("cached", SELFTEST_ID, "sm_90a") in lines
-    assert ("missing", "selftest[dtype=bf16,pdl=0]", "sm_90a") in lines
+    header, *rows = out.splitlines()
+    assert header.split() == ["status", "variant", "arch", "bytes", "build", "s"]
+    lines = {tuple(line.split()) for line in rows}
+    size = (warm_cache.entry / "module.so").stat().st_size
+    assert ("cached", SELFTEST_ID, "sm_90a", str(size)) in {line[:4] for line in lines}
+    assert ("missing", "selftest[dtype=bf16,pdl=0]", "sm_90a", "-", "-") in lines
     assert len(lines) == len(SELFTEST.all_variants())  # every selftest variant, once
+    assert all(row.index("sm_90a") == header.index("arch") for row in rows)  # columns under their labels
+    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID, "--status", "missing")
+    assert (code, out) == (0, "")  # nothing missing: not even the header
 
 
 def test_list_json_and_status_filter(run, warm_cache):
@@ -232,8 +238,10 @@ def test_list_entries_flags_orphans(run, warm_cache):
     assert rows[str(warm_cache.entry)]["key"] == warm_cache.key
 
     code, out, err = run("list", "--entries")
-    [orphan_line] = [line for line in out.splitlines() if "(orphan)" in line]
-    assert "retired[x=1]" in orphan_line
+    header, *rows = out.splitlines()
+    assert header.split() == ["variant", "arch", "key", "bytes", "entry", "note"]
+    [orphan_line] = [line for line in rows if line.endswith("  orphan")]
+    assert orphan_line.startswith("retired[x=1]") and str(orphan) in orphan_line
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,6 +549,15 @@ def test_help_explains_every_option_and_shows_its_default(name):
             assert "default" in text, (name, action.option_strings)
     rendered = parser.format_help()  # argparse %-formats every text here
     assert all(option in rendered for action in parser._actions for option in action.option_strings)
+
+
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+def test_help_says_what_the_subcommand_does(name):
+    parser = subcommands()[name]
+    lines = parser.format_help().splitlines()
+    usage_end = lines.index("")  # the usage lines, then a blank line, then the description
+    assert parser.description and lines[usage_end + 1].startswith(parser.description.split()[0])
+    assert len(parser.description.split(".")[0].split()) >= 8, parser.description  # a sentence, not a label
 
 
 def test_demo_help_shows_the_gpu_and_cpu_defaults():

@@ -135,6 +135,17 @@ def _targets(args) -> list[tuple]:
     return pairs
 
 
+def _columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    """`rows` under a header line that labels their columns, each column as wide as its widest cell (a
+    cell past the header's columns is left out); nothing at all without rows (so that ``list --status
+    missing`` prints nothing for a complete image)."""
+    if not rows:
+        return []
+    cells = [header] + [tuple(map(str, row)) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+
+
 def _emit(args, payload, lines: list[str]) -> None:
     if getattr(args, "json", False):
         print(json.dumps(payload, indent=1, default=str))
@@ -200,14 +211,17 @@ def cmd_list(args) -> int:
 
     if args.entries:
         rows = inventory.entries()
-        _emit(args, {"entries": rows}, [f"{r['variant']}  {r['arch']}  {r['key']}  {r['size']} B"
-                                        f"{'  (orphan)' if r['orphan'] else ''}  {r['entry']}" for r in rows])
+        notes = ["orphan" if r["orphan"] else "" for r in rows]
+        _emit(args, {"entries": rows}, _columns(
+            ("variant", "arch", "key", "bytes", "entry") + (("note",) if any(notes) else ()),
+            [(r["variant"], r["arch"], r["key"], r["size"], r["entry"], note) for r, note in zip(rows, notes)]))
         return EXIT_OK
     rows = [r for r in inventory.variant_status(_targets(args)) if args.status in ("all", r["status"])]
-    _emit(args, {"variants": rows}, [f"{r['status']:>7}  {r['variant']}  {r['arch']}" +
-                                     (f"  {r['size']} B  {r['build_seconds']}s" if r["size"] else "") +
-                                     "".join(f"  (damaged: {d['entry']}: {d['problem']})" for d in r["damaged"])
-                                     for r in rows])
+    notes = ["; ".join(f"damaged: {d['entry']}: {d['problem']}" for d in r["damaged"]) for r in rows]
+    _emit(args, {"variants": rows}, _columns(
+        ("status", "variant", "arch", "bytes", "build s") + (("note",) if any(notes) else ()),
+        [(r["status"], r["variant"], r["arch"], r["size"] or "-", r["build_seconds"] if r["size"] else "-", note)
+         for r, note in zip(rows, notes)]))
     return EXIT_OK
 
 
@@ -364,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help=json_help)
 
     pd = sub.add_parser("demo", help="run the compressors as a serving stack does and check the caches",
+                        description="Run the compressors of DeepSeek-V4 layers as a serving stack does (paged pool, "
+                                    "chunked prefill, decode steps in a CUDA graph), time the steps and check the final "
+                                    "states and caches against the reference backend. Without a GPU it runs the "
+                                    "reference backend at a small size.",
                         formatter_class=_DemoHelp)
     pd.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if visible, else cpu at a small size)")
     pd.add_argument("--requests", type=int, help="number of requests")
@@ -385,7 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.set_defaults(func=cmd_demo)
 
     pb = sub.add_parser("bench", help="run the kernel benchmarks (L2-cold); write markdown, CSV and, with "
-                        "matplotlib, PNG plots")
+                        "matplotlib, PNG plots",
+                        description="Run the kernel benchmarks on the GPU, every call timed with the L2 flushed "
+                                    "before it (warm figures beside), and write bench.md, bench.csv and, with "
+                                    "matplotlib, a bar chart per benchmark.")
     pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png with matplotlib); required "
                     "unless --list")
     pb.add_argument("--bench", action="append",
@@ -395,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--json", action="store_true", help=json_help)
     pb.set_defaults(func=cmd_bench)
 
-    pc = sub.add_parser("precompile", help="build variants into the cache")
+    pc = sub.add_parser("precompile", help="build variants into the cache",
+                        description="Compile kernel variants into the cache ahead of time, in parallel (by default "
+                                    "the serving set, for the arches of the visible GPUs); cached ones are skipped.")
     selection(pc)
     pc.add_argument("-j", "--jobs", type=int,
                     help="parallel builds (default: DSV4JIT_JOBS, else as many as the CPUs and the free memory "
@@ -406,14 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--dry-run", action="store_true", help="show what would be built")
     pc.set_defaults(func=cmd_precompile)
 
-    pl = sub.add_parser("list", help="variants and their cache status")
+    pl = sub.add_parser("list", help="variants and their cache status",
+                        description="Show the selected variants per arch as cached or missing (the same selection "
+                                    "as precompile), or with --entries what the cache roots hold.")
     selection(pl)
     pl.add_argument("--status", choices=("all", "cached", "missing"), default="all",
                     help="show only the variants with this cache status")
     pl.add_argument("--entries", action="store_true", help="list what is on disk instead, incl. orphans")
     pl.set_defaults(func=cmd_list)
 
-    pk = sub.add_parser("clean", help="delete cache entries (only inside the write root)")
+    pk = sub.add_parser("clean", help="delete cache entries (only inside the write root)",
+                        description="Delete cache entries inside the write root: all of them, or those of an arch, a "
+                                    "kernel or an age, superseded keys, leftovers of builds, orphans.")
     pk.add_argument("--all", action="store_true",
                     help="every entry, old schemas, abandoned stages and failed-build logs (live builds are kept)")
     pk.add_argument("--arch", help="entries built for these arches, e.g. 9.0a or 9.0a,10.0a (host entries: "
@@ -428,7 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json", action="store_true", help=json_help)
     pk.set_defaults(func=cmd_clean)
 
-    pi = sub.add_parser("info", help="toolchain, GPUs, cache roots, env; --check compiles a test kernel")
+    pi = sub.add_parser("info", help="toolchain, GPUs, cache roots, env; --check compiles a test kernel",
+                        description="Show the installation: dsv4jit and Python, the CUDA and host compilers, tvm-ffi, "
+                                    "torch, the GPUs and their arches, the cache roots and the DSV4JIT_* settings; "
+                                    "--check compiles and loads (on a GPU also runs) a test kernel.")
     pi.add_argument("variant", nargs="?", help="show the key document of this variant id, e.g. 'plan[pdl=1]'")
     pi.add_argument("--arch", help=f"targets of the variant's key and of --check, e.g. 9.0a; 'auto': the visible GPUs "
                                    f"{ARCH_DEFAULT}")

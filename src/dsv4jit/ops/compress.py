@@ -71,15 +71,16 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     check_ratio(_OP, plan, compress_ratio)
     try:
         ape = common.ape_as(_OP, ape, kv_score_input.dtype)
-        if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
-            out = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype, device=kv_score_input.device)
-        compress_op(kv_score_buffer, kv_score_input, ape, plan[1], common.write_rows(plan), out, head_dim,
+        # on the input's device, so that a device mix is the caller's; `out` stays what the caller passed
+        rows = torch.empty((plan[1].shape[0], head_dim), dtype=kv_score_input.dtype,
+                           device=kv_score_input.device) if out is None else out
+        compress_op(kv_score_buffer, kv_score_input, ape, plan[1], common.write_rows(plan), rows, head_dim,
                     compress_ratio, plan.is_decode)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
                             lambda text: ring_widths(_OP, text, head_dim, compress_ratio, kv_score_buffer,
                                                      kv_score_input, ape))
-    return out
+    return rows
 
 
 @library.custom_op("compress", mutates_args=("kv_score_buffer", "out"))

@@ -72,13 +72,13 @@ def compress_forward_online(kv_score_buffer: torch.Tensor, kv_score_input: torch
     try:
         check_online(_OP, plan, compress_ratio, head_dim, kv_score_input)
         ape = common.ape_as(_OP, ape, torch.float32)
-        if out is None:
-            out = torch.empty((plan[1].shape[0], head_dim), dtype=torch.float32, device=kv_score_input.device)
-        online_op(kv_score_buffer, kv_score_input, ape, plan[1], common.write_rows(plan), out, head_dim)
+        rows = torch.empty((plan[1].shape[0], head_dim), dtype=torch.float32,
+                           device=kv_score_input.device) if out is None else out  # `out`: what the caller passed
+        online_op(kv_score_buffer, kv_score_input, ape, plan[1], common.write_rows(plan), rows, head_dim)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
                             lambda text: online_widths(_OP, text, head_dim, kv_score_buffer, kv_score_input, ape))
-    return out
+    return rows
 
 
 @library.custom_op("compress_online", mutates_args=("kv_score_buffer", "out"))
