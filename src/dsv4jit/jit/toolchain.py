@@ -108,8 +108,8 @@ def forced_arch() -> Arch | None:
 
 
 def device_target(index: int) -> Arch:
-    """The arch of CUDA device `index` as a build target: DSV4JIT_CUDA_ARCH cannot help a device
-    the kernels do not support, so that is a toolchain error naming the device."""
+    """The arch of CUDA device `index` as a build target; a GPU of an arch the kernels do not support
+    is a toolchain error naming the device (no build could run on it)."""
     arch = device_arch(index)
     if not arch.supported:
         import torch
