@@ -12,8 +12,10 @@
   missing); ``copy_entry(cache_dir, entry)`` copies such an entry into a test's own cache, so that a
   test needing it there does not compile it again.
 * Tests marked ``compile`` are skipped, with the reason shown, when no real nvcc exists; tests marked
-  ``full`` (the whole serving set, minutes of nvcc) run only with ``--full``, as CI runs the suite.
-* Skips are summarized one line per reason (``skip_summary.py``).
+  ``full`` (the whole serving set, minutes of nvcc; the README's tested versions against the
+  environment) run only with ``--full``, as CI runs the suite.
+* Skips are summarized one line per reason (``skip_summary.py``), and what tests measured for a
+  person (``record_property("measured", text)``) is printed after the run (``measured.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def _find_real_nvcc() -> tuple[str | None, str]:
 
 
 REAL_NVCC, NO_NVCC_REASON = _find_real_nvcc()
-FULL_REASON = "in the full suite only (compiles the whole serving set for sm_90a, minutes): add --full"
+FULL_REASON = ("in the full suite only (CI's: the serving set compiled for sm_90a and sm_100a, minutes; the tested "
+               "versions): add --full")
 
-pytest_plugins = ["pytester", "skip_summary"]
+pytest_plugins = ["pytester", "skip_summary", "measured"]
 
 
 def pytest_addoption(parser):

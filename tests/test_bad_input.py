@@ -340,7 +340,10 @@ ROWS = [
     ("warmup", "head_dims", lambda kw: {4: (128.0,)}, TypeError, r" must be an int, got float 128.0"),
     ("warmup", "use_fp4", lambda kw: "yes", TypeError, r" must be a bool, got str"),
     ("warmup", "jobs", lambda kw: 1.5, TypeError, r" must be an int, got float 1.5"),
-    ("warmup", "arch", lambda kw: "sm_9x", ValueError, r" must be a CUDA arch such as '9.0a'"),
+    ("warmup", "arch", lambda kw: "sm_9x", ValueError, r": invalid CUDA arch 'sm_9x': expected e.g. 9.0a"),
+    ("warmup", "arch", lambda kw: "8.0", ValueError,
+     r": unsupported CUDA arch '8.0' \(sm_80\): the kernels build for sm_90a \(H100, H200\), sm_100a"),
+    ("warmup", "arch", lambda kw: 9.0, TypeError, r" must be a str such as '9.0a' or 'sm_90a', got float 9.0"),
     ("warmup (cpu)", "device", lambda kw: "gpu:0", ValueError, r" must be a torch device"),
     ("set_checks", "enabled", lambda kw: "yes", TypeError, r" must be a bool or None, got str 'yes'"),
 ]
@@ -391,3 +394,25 @@ def test_plan_tuples_are_accepted_where_plans_are():
     compress_forward(**kw)
     compress_forward(**as_tuple)
     assert torch.equal(kw["out"], as_tuple["out"]) and torch.equal(kw["kv_score_buffer"], as_tuple["kv_score_buffer"])
+
+
+@pytest.mark.parametrize("entry_name, without_out", [
+    ("compress_forward", False), ("compress_forward", True), ("compress_forward (online)", True),
+    ("compress_and_store", False), ("compress_and_store (online)", False)])
+def test_a_device_mix_names_each_tensor_passed_and_its_device(entry_name, without_out):
+    """One tensor on another device (meta: no data, so nothing can be written): the message lists
+    every tensor the caller passed (`out` only when passed) with its device, and nothing is written."""
+    entry = ENTRIES[entry_name]
+    kw = entry.base()
+    if without_out:
+        del kw["out"]
+    kw["kv_score_input"] = kw["kv_score_input"].to("meta")
+    before = {name: kw[name].clone() for name in entry.outputs if name in kw}
+    with pytest.raises(TypeError) as err:
+        entry.call(**kw)
+    placed = ", ".join(f"{name} on {'meta' if name == 'kv_score_input' else 'cpu'}" for name, value in kw.items()
+                       if isinstance(value, torch.Tensor) or name == "plan")
+    assert str(err.value) == f"dsv4jit.{entry_name.split(' ')[0]}: tensors on different devices: {placed}"
+    assert ", out on" not in placed or not without_out
+    for name, value in before.items():
+        assert torch.equal(kw[name], value), f"{entry_name} wrote {name} although it raised"

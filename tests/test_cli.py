@@ -186,10 +186,16 @@ def test_precompile_without_nvcc_accepts_cached_variants(run, no_toolchain, warm
 def test_list_shows_status(run, warm_cache):
     code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
     assert code == 0, err
-    lines = {tuple(line.split()[:3]) for line in out.splitlines()}
-    assert ("cached", SELFTEST_ID, "sm_90a") in lines
-    assert ("missing", "selftest[dtype=bf16,pdl=0]", "sm_90a") in lines
+    header, *rows = out.splitlines()
+    assert header.split() == ["status", "variant", "arch", "bytes", "build", "s"]
+    lines = {tuple(line.split()) for line in rows}
+    size = (warm_cache.entry / "module.so").stat().st_size
+    assert ("cached", SELFTEST_ID, "sm_90a", str(size)) in {line[:4] for line in lines}
+    assert ("missing", "selftest[dtype=bf16,pdl=0]", "sm_90a", "-", "-") in lines
     assert len(lines) == len(SELFTEST.all_variants())  # every selftest variant, once
+    assert all(row.index("sm_90a") == header.index("arch") for row in rows)  # columns under their labels
+    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID, "--status", "missing")
+    assert (code, out) == (0, "")  # nothing missing: not even the header
 
 
 def test_list_json_and_status_filter(run, warm_cache):
@@ -233,8 +239,10 @@ def test_list_entries_flags_orphans(run, warm_cache):
     assert rows[str(warm_cache.entry)]["key"] == warm_cache.key
 
     code, out, err = run("list", "--entries")
-    [orphan_line] = [line for line in out.splitlines() if "(orphan)" in line]
-    assert "retired[x=1]" in orphan_line
+    header, *rows = out.splitlines()
+    assert header.split() == ["variant", "arch", "key", "bytes", "entry", "note"]
+    [orphan_line] = [line for line in rows if line.endswith("  orphan")]
+    assert orphan_line.startswith("retired[x=1]") and str(orphan) in orphan_line
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,7 +378,6 @@ def test_info_check_without_gpu(run, warm_cache):
 
 @pytest.mark.parametrize("argv, setting, expected", [
     (["--arch", "9.0a"], None, "selftest[dtype=fp32,pdl=1] for sm_90a"),
-    (["--arch", "8.0"], None, "selftest[dtype=fp32,pdl=0] for sm_80"),  # PDL needs sm_90
     (["--arch", "9.0a"], "DSV4JIT_DISABLE_PDL", "selftest[dtype=fp32,pdl=0] for sm_90a"),
 ])
 def test_info_check_loads_the_variant_the_ops_would(run, fake_nvcc, prebuilt, monkeypatch, argv, setting, expected):
@@ -383,6 +390,46 @@ def test_info_check_loads_the_variant_the_ops_would(run, fake_nvcc, prebuilt, mo
     code, info = run_json(run, "info", "--check", *argv)
     assert code == 0 and info["check"]["ok"] is True
     assert info["check"]["detail"].startswith(f"{expected} loaded in ")
+
+
+SUPPORTED = "the kernels build for sm_90a (H100, H200), sm_100a (B200, GB200), sm_120a (RTX 50-series, RTX PRO Blackwell)"
+
+
+@pytest.mark.parametrize("argv, setting, error", [
+    (["precompile", "--arch", "8.0"], None, "unsupported CUDA arch '8.0' (sm_80)"),
+    (["precompile", "--arch", "9.0a,9.5"], None, "unsupported CUDA arch '9.5' (sm_95a)"),
+    (["info", "--check", "--arch", "sm_103a"], None, "unsupported CUDA arch 'sm_103a' (sm_103a)"),
+    (["list", "--kernel", "plan"], "10.0f", "DSV4JIT_CUDA_ARCH: unsupported CUDA arch '10.0f' (sm_100f)"),
+])
+def test_an_unsupported_arch_is_rejected_before_compiling(run, fake_nvcc, tmp_path, monkeypatch, argv, setting,
+                                                          error):
+    calls = tmp_path / "nvcc-calls"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=calls)))
+    if setting:
+        monkeypatch.setenv("DSV4JIT_CUDA_ARCH", setting)
+    code, out, err = run(*argv)
+    assert (code, out, err) == (2, "", f"dsv4jit: {error}: {SUPPORTED}\n")
+    assert not calls.exists()
+
+
+def test_a_gpu_of_an_unsupported_arch_is_named_before_compiling(run, fake_nvcc, tmp_path, monkeypatch):
+    import torch
+
+    from dsv4jit.errors import DSV4JITToolchainError
+
+    calls = tmp_path / "nvcc-calls"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=calls)))
+    monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    error = f"GPU 0 (NVIDIA A100-SXM4-80GB) is sm_80, which dsv4jit does not support ({SUPPORTED})"
+    assert run("precompile", "--kernel", "selftest") == (2, "", f"dsv4jit: {error}\n")
+    with pytest.raises(DSV4JITToolchainError, match=re.escape(error)):
+        loader.arch_for(torch.device("cuda", 0))  # what the ops and warmup resolve
+    assert not calls.exists()
 
 
 def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):
@@ -516,6 +563,15 @@ def test_help_explains_every_option_and_shows_its_default(name):
             assert "default" in text, (name, action.option_strings)
     rendered = parser.format_help()  # argparse %-formats every text here
     assert all(option in rendered for action in parser._actions for option in action.option_strings)
+
+
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+def test_help_says_what_the_subcommand_does(name):
+    parser = subcommands()[name]
+    lines = parser.format_help().splitlines()
+    usage_end = lines.index("")  # the usage lines, then a blank line, then the description
+    assert parser.description and lines[usage_end + 1].startswith(parser.description.split()[0])
+    assert len(parser.description.split(".")[0].split()) >= 8, parser.description  # a sentence, not a label
 
 
 def test_demo_help_shows_the_gpu_and_cpu_defaults():

@@ -1,8 +1,8 @@
-"""Every serving-set variant compiles for sm_90a (nvcc, no GPU needed) and its module loads; the
-status texts of checked mode come from those modules.
+"""Every serving-set variant compiles for sm_90a and sm_100a (nvcc, no GPU needed) and its module
+loads; the status texts of checked mode come from those modules.
 
-Part of the full suite (``--full``): minutes of nvcc. The selftest and the CPU planner, which the
-session has built already, are copied in rather than compiled again.
+Part of the full suite (``--full``): minutes of nvcc per arch. The sm_90a selftest and the CPU
+planner, which the session has built already, are copied in rather than compiled again.
 """
 
 from __future__ import annotations
@@ -16,21 +16,23 @@ from dsv4jit import cli
 from dsv4jit.jit import loader
 from dsv4jit.jit.kernels import SPECS
 from dsv4jit.jit.toolchain import Arch
+from dsv4jit.runtime import serving_variants
 
 pytestmark = [pytest.mark.compile, pytest.mark.full, pytest.mark.usefixtures("jit_env")]
 
 
-def test_serving_set_compiles_for_sm90(warm_cache, host_planner, cache_dir, capsys):
+@pytest.mark.parametrize("arch", ["9.0a", "10.0a"])
+def test_serving_set_compiles(arch, warm_cache, host_planner, cache_dir, capsys):
     copy_entry(cache_dir, host_planner)
-    code = cli.main(["precompile", "--arch", "9.0a", "-j", "2", "--keep-going", "--json"])
+    code = cli.main(["precompile", "--arch", arch, "-j", "2", "--keep-going", "--json"])
     report = json.loads(capsys.readouterr().out)
     failed = [r for r in report["results"] if r["status"] == "failed"]
     assert code == 0 and not failed, failed
-    expected = {v.id for spec in SPECS.values() for v in spec.serving_variants()}
+    expected = {v.id for spec in SPECS.values() for v in serving_variants(spec)}
     assert {r["variant"] for r in report["results"]} == expected
-    cached = {r["variant"] for r in report["results"] if r["status"] == "cached"}
-    assert cached <= {"selftest[dtype=fp32,pdl=1]", "plan_host"}  # everything else was compiled here
-    check_status_texts({name: loader.load(SPECS[name].serving_variants()[0], Arch.parse("9.0a"))
+    cached = {(r["variant"], r["arch"]) for r in report["results"] if r["status"] == "cached"}
+    assert cached <= {("selftest[dtype=fp32,pdl=1]", "sm_90a"), ("plan_host", "host")}  # the rest compiled here
+    check_status_texts({name: loader.load(serving_variants(SPECS[name])[0], Arch.parse(arch))
                         for name in (*STATUS_BITS, "fused", "fused_online")})
 
 

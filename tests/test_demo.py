@@ -10,6 +10,7 @@ graph, against the reference backend.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -67,6 +68,15 @@ def test_demo_on_the_reference_backend_matches(clean_run):
 def test_demo_report_names_the_cpu_once(clean_run):
     header = format_result(clean_run[0])[0]
     assert header.startswith("dsv4jit demo on the CPU: the torch reference backend") and "(cpu)" not in header
+
+
+def test_demo_report_gives_tokens_per_second_in_one_format(clean_run):
+    result = clean_run[0]
+    lines = format_result(result)
+    header = next(i for i, line in enumerate(lines) if line.startswith("phase "))
+    for phase, line in zip(result.phases, lines[header + 1:]):
+        rate = line.split()[-1]
+        assert re.fullmatch(r"\d{1,3}(,\d{3})*", rate) and rate == f"{phase.tokens_per_s:,.0f}", line
 
 
 def test_first_use_is_timed_apart_from_the_steps(monkeypatch):

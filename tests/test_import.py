@@ -56,16 +56,15 @@ def probe(modules: list[str], cache_dir) -> dict:
 
 @pytest.mark.parametrize("modules", [["dsv4jit"], ["dsv4jit.jit.loader", "dsv4jit.cli"]],
                          ids=["package", "loader and cli"])
-def test_import_is_inert(modules, tmp_path, capsys):
+def test_import_is_inert(modules, tmp_path, record_property):
     cache_dir = tmp_path / "import-cache"
     report = probe(modules, cache_dir)
     assert report["spawned"] == []  # no nvcc --version, no nvidia-smi
     assert report["tvm_ffi"] is False
     assert report["cuda_initialized"] is False
     assert not cache_dir.exists()  # nothing compiled, nothing written
-    with capsys.disabled():
-        print(f"\n[import] {', '.join(modules)}: {report['seconds'] * 1e3:.1f} ms "
-              f"(torch imported: {report['torch']})")
+    record_property("measured", f"import {', '.join(modules)}: {report['seconds'] * 1e3:.1f} ms "
+                                f"(torch imported: {report['torch']})")
 
 
 def test_the_package_loads_nothing_outside_the_standard_library(tmp_path):

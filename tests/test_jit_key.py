@@ -348,14 +348,22 @@ def test_depfile_finding_a_header_the_scan_missed_is_logged(tmp_path, monkeypatc
 def test_arch_parse_hopper_spellings(text):
     arch = Arch.parse(text)
     assert arch == Arch("sm_90a")
-    assert (arch.number, arch.major) == (900, 9)
+    assert arch.number == 900
     assert arch.gencode() == "-gencode=arch=compute_90a,code=sm_90a"
 
 
-@pytest.mark.parametrize("text, name", [("10.0a", "sm_100a"), ("100a", "sm_100a"), ("8.0", "sm_80"),
-                                        ("sm_86", "sm_86"), ("12.0f", "sm_120f")])
+@pytest.mark.parametrize("text, name", [("10.0a", "sm_100a"), ("100a", "sm_100a"), ("10.0", "sm_100a"),
+                                        ("12.0", "sm_120a"), ("sm_120a", "sm_120a")])
 def test_arch_parse_other_targets(text, name):
     assert Arch.parse(text).name == name
+
+
+@pytest.mark.parametrize("text, name", [("8.0", "sm_80"), ("sm_86", "sm_86"), ("9.5", "sm_95a"), ("12.0f", "sm_120f"),
+                                        ("10.3a", "sm_103a"), ("121", "sm_121a")])
+def test_arch_parse_rejects_unsupported_targets_naming_the_supported_ones(text, name):
+    with pytest.raises(ValueError, match=re.escape(f"unsupported CUDA arch {text!r} ({name}): the kernels build for "
+                                                   "sm_90a (H100, H200), sm_100a (B200, GB200), sm_120a")):
+        Arch.parse(text)
 
 
 @pytest.mark.parametrize("junk", ["", "9", "abc", "sm_", "9.0b", "9.0.0", "hopper", "sm_90aa", "-90"])

@@ -1,5 +1,6 @@
 """The test suite's own promises: two documented commands (the default one a person runs first, and
-the full one CI runs), the full tier left out of the default, and skips counted per reason."""
+the full one CI runs), the full tier left out of the default, skips counted per reason, and what
+tests measured printed after the run, not among the progress dots."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def test_the_default_run_leaves_the_full_tier_out():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/test_compile_serving_set.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert re.search(r"^\s+1  in the full suite only \(.*\): add --full$", res.stdout, re.M), res.stdout
-    assert "1 skipped" in res.stdout.splitlines()[-1]
+    assert re.search(r"^\s+2  in the full suite only \(.*\): add --full$", res.stdout, re.M), res.stdout
+    assert "2 skipped" in res.stdout.splitlines()[-1]
 
 
 def test_skips_are_counted_per_reason_on_one_line_each(pytester):
@@ -56,3 +57,19 @@ def test_skips_are_counted_per_reason_on_one_line_each(pytester):
     start = next(i for i, line in enumerate(lines) if "skipped, by reason" in line)
     assert lines[start + 1:start + 3] == ["    4  needs a thing", "    1  another reason"]
     assert "5 skipped" in lines[start + 3]
+
+
+def test_what_tests_measure_is_printed_after_the_run(pytester):
+    pytester.makepyfile("""
+        def test_a(record_property): record_property("measured", "import: 12.5 ms")
+
+        def test_b(record_property): record_property("measured", "warm load: 8.0 ms")
+
+        def test_c(): pass
+    """)
+    result = pytester.runpytest("-p", "measured", "-q")
+    result.assert_outcomes(passed=3)
+    lines = result.outlines
+    assert lines[0].split() == ["...", "[100%]"]  # the dots alone
+    start = next(i for i, line in enumerate(lines) if "measured by the tests" in line)
+    assert lines[start + 1:start + 3] == ["  import: 12.5 ms", "  warm load: 8.0 ms"]

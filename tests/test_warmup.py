@@ -7,15 +7,17 @@ test uses the default cache and needs no conftest.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import dsv4jit
 from conftest import copy_entry
-from dsv4jit import runtime
+from dsv4jit import cli, runtime
 from dsv4jit.jit import loader
 from dsv4jit.jit.kernels import SPECS
-from dsv4jit.jit.toolchain import Arch
+from dsv4jit.jit.toolchain import SUPPORTED_ARCHS, Arch
 from dsv4jit.preload import FAMILIES, variants
 
 HAS_CUDA = torch.cuda.is_available()
@@ -77,10 +79,39 @@ def test_every_kernel_module_is_reached_by_a_family():
     assert reached == set(SPECS) - {"selftest", "store_probes"}  # the toolchain check and the test-only probes
 
 
-def test_pdl_follows_the_arch_and_the_kill_switch(monkeypatch):
-    assert ids(variants(Arch.parse("8.0"), ops=("plan",))) == ["plan[pdl=0]"]
+def test_pdl_follows_the_kill_switch(monkeypatch):
+    assert ids(variants(SM90, ops=("plan",))) == ["plan[pdl=1]"]
     monkeypatch.setenv("DSV4JIT_DISABLE_PDL", "1")
     assert ids(variants(SM90, ops=("plan",))) == ["plan[pdl=0]"]
+
+
+def test_variants_take_the_arch_as_warmup_does():
+    assert variants("9.0a") == variants(SM90) == variants("sm_90a")
+    assert ids(variants("10.0", ops=("plan",))) == ["plan[pdl=1]"]
+    with pytest.raises(ValueError, match=r"dsv4jit.warmup: argument 'arch': unsupported CUDA arch '8.0' \(sm_80\)"):
+        variants("8.0")
+
+
+#: The configurations the serving set stands for, as warmup takes them: DeepSeek-V4 through every op
+#: family with the default formats and the fp4 indexer, bf16 state pools, and the bf16 latent cache.
+SERVING_CONFIGS = (dict(ops=tuple(FAMILIES)), dict(ops=tuple(FAMILIES), use_fp4=True),
+                   dict(ops=("compress", "online", "fused_online"), state_dtype=torch.bfloat16),
+                   dict(ops=("store",), bf16_store=True))
+
+
+@pytest.mark.usefixtures("jit_env")
+@pytest.mark.parametrize("pdl_setting", [None, "1"], ids=["pdl default", "DSV4JIT_DISABLE_PDL=1"])
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_precompile_builds_what_warmup_and_the_ops_load(arch, pdl_setting, monkeypatch, capsys):
+    """An image precompiled for an arch holds exactly the variants warmup and the ops load there
+    for the serving configurations (plus the toolchain check's), launch options (pdl) included.
+    ``list`` selects as ``precompile`` does, and needs no compiler."""
+    if pdl_setting:
+        monkeypatch.setenv("DSV4JIT_DISABLE_PDL", pdl_setting)
+    assert cli.main(["list", "--arch", arch, "--json"]) == 0
+    built = {r["variant"] for r in json.loads(capsys.readouterr().out)["variants"] if r["arch"] == arch}
+    loaded = {v.id for config in SERVING_CONFIGS for v in variants(arch, **config)}
+    assert built == loaded | {runtime.variant("selftest", dtype="fp32").id}
 
 
 def test_host_target_reaches_the_cpu_planner_only():

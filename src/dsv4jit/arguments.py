@@ -1,8 +1,8 @@
 """Argument checks shared by the public functions and the torch references: one module, so that
 a rule (the dtypes a state pool may have, an index range, a tensor's shape) is written once.
 
-* Scalars and argument types (`integer`, `flag`, `nonnegative`, `tensors`, `explain`): what the
-  kernels' own checks (csrc/common/tensor_check.h) cannot see or name. Messages take their form:
+* Scalars and argument types (`integer`, `flag`, `nonnegative`, `tensors`, `explain`), and a device
+  mix (`one_device`): what the kernels' own checks (csrc/common/tensor_check.h) cannot see or name. Messages take their form:
   ``dsv4jit.<function>: argument '<name>' must be <expected>, got <actual>``.
 * Dtypes (`FLOAT_DTYPES`, `STATE_DTYPES`, `dtype_key`): what the kernels take, by our dtype names.
 * Tensors (`TensorCheck`): the rules and messages of tensor_check.h for the CPU paths that stand in
@@ -80,6 +80,14 @@ def explain(op: str, given: Mapping[str, object], tensor_names: Iterable[str] = 
         integer(op, name, given[name])
     for name in flag_names:
         flag(op, name, given[name])
+
+
+def one_device(op: str, named: Mapping[str, torch.Tensor]) -> None:
+    """After a failed call: TypeError naming each tensor of `named` (what the caller passed, in its
+    order) and its device, when they are not all on one device."""
+    if len({t.device for t in named.values()}) > 1:
+        placed = ", ".join(f"{name} on {t.device}" for name, t in named.items())
+        raise TypeError(f"dsv4jit.{op}: tensors on different devices: {placed}")
 
 
 @contextmanager

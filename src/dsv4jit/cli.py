@@ -50,7 +50,7 @@ ARCH_DEFAULT = f"(default: DSV4JIT_CUDA_ARCH, else auto; with no GPU visible: {N
 
 
 def _archs(text: str | None) -> list:
-    from .jit.toolchain import Arch, device_arch, forced_arch
+    from .jit.toolchain import Arch, device_target, forced_arch
 
     if text in (None, ""):
         if forced := forced_arch():
@@ -64,7 +64,7 @@ def _archs(text: str | None) -> list:
             print(f"dsv4jit: no GPU visible: targeting {arch} (pass --arch or set DSV4JIT_CUDA_ARCH for another)",
                   file=sys.stderr)
             return [arch]
-        return sorted({device_arch(i) for i in range(torch.cuda.device_count())}, key=str)
+        return sorted({device_target(i) for i in range(torch.cuda.device_count())}, key=str)
     try:
         return [Arch.parse(a) for a in text.split(",") if a.strip()]
     except ValueError as e:
@@ -89,7 +89,9 @@ def _variant_id(text: str):
     try:
         return parse_variant_id(text, SPECS)
     except ValueError as e:
-        examples = list(dict.fromkeys(v.id for v in spec.serving_variants() + spec.all_variants()))[:2]
+        from .runtime import serving_variants
+
+        examples = list(dict.fromkeys(v.id for v in serving_variants(spec) + spec.all_variants()))[:2]
         raise UsageError(f"{e}; variant ids look like {' or '.join(examples)} "
                          f"(all of them: python -m dsv4jit list --kernel {spec.name} --set all)") from None
 
@@ -97,12 +99,13 @@ def _variant_id(text: str):
 def _variants(kernels: list[str] | None, sets: list[str] | None, filters: list[str] | None = None) -> list:
     from .jit.kernels import SPECS
     from .jit.registry import unique
+    from .runtime import serving_variants
 
     specs = [_spec(k) for k in kernels] if kernels else list(SPECS.values())
     out = []
     for s in sets or ["default"]:
         if s == "default":
-            out += [v for spec in specs for v in spec.serving_variants()]
+            out += [v for spec in specs for v in serving_variants(spec)]
         elif s == "all":
             out += [v for spec in specs for v in spec.all_variants()]
         else:
@@ -134,6 +137,17 @@ def _targets(args) -> list[tuple]:
         for a in ([Arch.host()] if v.spec.target == "host" else archs):
             pairs.append((v, a))
     return pairs
+
+
+def _columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    """`rows` under a header line that labels their columns, each column as wide as its widest cell (a
+    cell past the header's columns is left out); nothing at all without rows (so that ``list --status
+    missing`` prints nothing for a complete image)."""
+    if not rows:
+        return []
+    cells = [header] + [tuple(map(str, row)) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
 
 
 def _emit(args, payload, lines: list[str]) -> None:
@@ -201,14 +215,17 @@ def cmd_list(args) -> int:
 
     if args.entries:
         rows = inventory.entries()
-        _emit(args, {"entries": rows}, [f"{r['variant']}  {r['arch']}  {r['key']}  {r['size']} B"
-                                        f"{'  (orphan)' if r['orphan'] else ''}  {r['entry']}" for r in rows])
+        notes = ["orphan" if r["orphan"] else "" for r in rows]
+        _emit(args, {"entries": rows}, _columns(
+            ("variant", "arch", "key", "bytes", "entry") + (("note",) if any(notes) else ()),
+            [(r["variant"], r["arch"], r["key"], r["size"], r["entry"], note) for r, note in zip(rows, notes)]))
         return EXIT_OK
     rows = [r for r in inventory.variant_status(_targets(args)) if args.status in ("all", r["status"])]
-    _emit(args, {"variants": rows}, [f"{r['status']:>7}  {r['variant']}  {r['arch']}" +
-                                     (f"  {r['size']} B  {r['build_seconds']}s" if r["size"] else "") +
-                                     "".join(f"  (damaged: {d['entry']}: {d['problem']})" for d in r["damaged"])
-                                     for r in rows])
+    notes = ["; ".join(f"damaged: {d['entry']}: {d['problem']}" for d in r["damaged"]) for r in rows]
+    _emit(args, {"variants": rows}, _columns(
+        ("status", "variant", "arch", "bytes", "build s") + (("note",) if any(notes) else ()),
+        [(r["status"], r["variant"], r["arch"], r["size"] or "-", r["build_seconds"] if r["size"] else "-", note)
+         for r, note in zip(rows, notes)]))
     return EXIT_OK
 
 
@@ -388,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help=json_help)
 
     pd = sub.add_parser("demo", help="run the compressors as a serving stack does and check the caches",
+                        description="Run the compressors of DeepSeek-V4 layers as a serving stack does (paged pool, "
+                                    "chunked prefill, decode steps in a CUDA graph), time the steps and check the final "
+                                    "states and caches against the reference backend. Without a GPU it runs the "
+                                    "reference backend at a small size.",
                         formatter_class=_DemoHelp)
     pd.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if visible, else cpu at a small size)")
     pd.add_argument("--requests", type=int, help="number of requests")
@@ -414,7 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.set_defaults(func=cmd_demo)
 
     pb = sub.add_parser("bench", help="run the kernel benchmarks (L2-cold); write markdown, CSV and, with "
-                        "matplotlib, PNG plots")
+                        "matplotlib, PNG plots",
+                        description="Run the kernel benchmarks on the GPU, every call timed with the L2 flushed "
+                                    "before it (warm figures beside), and write bench.md, bench.csv and, with "
+                                    "matplotlib, a bar chart per benchmark.")
     pb.add_argument("--out", help="output folder (bench.md, bench.csv, <bench>.png with matplotlib); required "
                     "unless --list")
     pb.add_argument("--bench", action="append",
@@ -424,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--json", action="store_true", help=json_help)
     pb.set_defaults(func=cmd_bench)
 
-    pc = sub.add_parser("precompile", help="build variants into the cache")
+    pc = sub.add_parser("precompile", help="build variants into the cache",
+                        description="Compile kernel variants into the cache ahead of time, in parallel (by default "
+                                    "the serving set, for the arches of the visible GPUs); cached ones are skipped.")
     selection(pc)
     pc.add_argument("-j", "--jobs", type=int,
                     help="parallel builds (default: DSV4JIT_JOBS, else as many as the CPUs and the free memory "
@@ -435,14 +461,18 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--dry-run", action="store_true", help="show what would be built")
     pc.set_defaults(func=cmd_precompile)
 
-    pl = sub.add_parser("list", help="variants and their cache status")
+    pl = sub.add_parser("list", help="variants and their cache status",
+                        description="Show the selected variants per arch as cached or missing (the same selection "
+                                    "as precompile), or with --entries what the cache roots hold.")
     selection(pl)
     pl.add_argument("--status", choices=("all", "cached", "missing"), default="all",
                     help="show only the variants with this cache status")
     pl.add_argument("--entries", action="store_true", help="list what is on disk instead, incl. orphans")
     pl.set_defaults(func=cmd_list)
 
-    pk = sub.add_parser("clean", help="delete cache entries (only inside the write root)")
+    pk = sub.add_parser("clean", help="delete cache entries (only inside the write root)",
+                        description="Delete cache entries inside the write root: all of them, or those of an arch, a "
+                                    "kernel or an age, superseded keys, leftovers of builds, orphans.")
     pk.add_argument("--all", action="store_true",
                     help="every entry, old schemas, abandoned stages and failed-build logs (live builds are kept)")
     pk.add_argument("--arch", help="entries built for these arches, e.g. 9.0a or 9.0a,10.0a (host entries: "
@@ -457,7 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json", action="store_true", help=json_help)
     pk.set_defaults(func=cmd_clean)
 
-    pi = sub.add_parser("info", help="toolchain, GPUs, cache roots, env; --check compiles a test kernel")
+    pi = sub.add_parser("info", help="toolchain, GPUs, cache roots, env; --check compiles a test kernel",
+                        description="Show the installation: dsv4jit and Python, the CUDA and host compilers, tvm-ffi, "
+                                    "torch, the GPUs and their arches, the cache roots and the DSV4JIT_* settings; "
+                                    "--check compiles and loads (on a GPU also runs) a test kernel.")
     pi.add_argument("variant", nargs="?", help="show the key document of this variant id, e.g. 'plan[pdl=1]'")
     pi.add_argument("--arch", help=f"targets of the variant's key and of --check, e.g. 9.0a; 'auto': the visible GPUs "
                                    f"{ARCH_DEFAULT}")

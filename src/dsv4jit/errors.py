@@ -25,7 +25,8 @@ class DSV4JITCacheMiss(DSV4JITError):
 
 
 class DSV4JITToolchainError(DSV4JITError):
-    """No usable CUDA compiler (or host compiler) was found."""
+    """No usable CUDA compiler (or host compiler) was found, or no GPU to target: none visible, or
+    one of an arch the kernels do not support."""
 
 
 class DSV4JITCacheError(DSV4JITError):

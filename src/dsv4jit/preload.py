@@ -39,11 +39,13 @@ FAMILIES = {f.name: f for f in (plan.FAMILY, compress.FAMILY, store.FAMILY, fuse
 
 def _target(device, arch: Optional[str]) -> Arch:
     if arch is not None:
+        if not isinstance(arch, str):
+            raise TypeError(f"dsv4jit.{_OP}: argument 'arch' must be a str such as '9.0a' or 'sm_90a', got "
+                            f"{type(arch).__name__} {arch!r}")
         try:
             return Arch.parse(arch)
-        except (ValueError, AttributeError):
-            raise ValueError(f"dsv4jit.{_OP}: argument 'arch' must be a CUDA arch such as '9.0a' or 'sm_90a', "
-                             f"got {arch!r}") from None
+        except ValueError as e:
+            raise ValueError(f"dsv4jit.{_OP}: argument 'arch': {e}") from None
     if device is None:  # DSV4JIT_CUDA_ARCH, else the current device (an error without either)
         return loader.arch_for(None)
     try:
@@ -54,11 +56,14 @@ def _target(device, arch: Optional[str]) -> Arch:
     return loader.arch_for(device)
 
 
-def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = None,
+def variants(arch: Union[Arch, str], *, head_dims: Optional[Mapping[int, Iterable[int]]] = None,
              state_dtype: torch.dtype = torch.float32, input_dtype: torch.dtype = torch.float32,
              output_dtype: Optional[torch.dtype] = None, use_fp4: bool = False, bf16_store: bool = False,
              ops: Iterable[str] = ("plan", "compress", "store")) -> list[Variant]:
-    """The variants `warmup` builds for `arch` (same arguments); the host target reaches the CPU planner only."""
+    """The variants `warmup` builds for `arch` (as warmup's ``arch`` takes it, e.g. ``"9.0a"``, or an
+    `Arch`), with warmup's keyword arguments; the host target reaches the CPU planner only."""
+    if not isinstance(arch, Arch):
+        arch = _target(None, arch)
     unknown = sorted(set(ops) - set(FAMILIES))
     if unknown:
         raise ValueError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(FAMILIES)}")
@@ -72,7 +77,7 @@ def variants(arch: Arch, *, head_dims: Optional[Mapping[int, Iterable[int]]] = N
                           arguments.dtype_key(output_dtype or input_dtype, _OP, "output_dtype"),
                           arguments.flag(_OP, "use_fp4", use_fp4), arguments.flag(_OP, "bf16_store", bf16_store))
     try:
-        return unique(runtime.variant(kernel, arch, **params) for op in ops for kernel, params in FAMILIES[op].reach(cfg))
+        return unique(runtime.variant(kernel, **params) for op in ops for kernel, params in FAMILIES[op].reach(cfg))
     except ValueError as e:  # a head_dim no kernel (or no store format) has
         if str(e).startswith("head_dims"):
             raise arguments.reworded(_OP, e, ("head_dims",)) from None
@@ -105,11 +110,12 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
         (compress_and_store(is_online=True), the c128 latent), "c4_layer"
         (compress_and_store_c4_layer, for c4 layers of head dims 512 and 128), "online_mtp" (online
         c128's speculative-decoding ops), "compat" (dsv4jit.compat, for the c4 head dims).
-    arch: build for this target instead (e.g. ``"9.0a"``): works on a machine without a GPU when
-        nvcc is installed (the modules load there too, they just cannot run).
+    arch: build for this target instead (``"9.0a"``, ``"10.0a"`` or ``"12.0a"``; another is a
+        ValueError naming these): works on a machine without a GPU when nvcc is installed (the
+        modules load there too, they just cannot run).
     jobs: parallel compiles (default: memory-aware, as ``python -m dsv4jit precompile``).
 
-    PDL follows the arch (sm_90+) and ``DSV4JIT_DISABLE_PDL``, as in the ops. With
+    PDL is on unless ``DSV4JIT_DISABLE_PDL``, as in the ops and ``precompile``. With
     ``DSV4JIT_NO_COMPILE=1`` nothing compiles and a missing variant raises ``DSV4JITCacheMiss``.
     """
     if jobs is not None:

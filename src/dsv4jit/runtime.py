@@ -63,12 +63,19 @@ def _arch(spec, device: torch.device) -> Arch:
     return loader.arch_for(device)
 
 
-def variant(kernel: str, arch: Arch, **params) -> Variant:
-    """The variant of `kernel` that `function` loads for `arch`: `pdl` defaults to sm_90+."""
+def variant(kernel: str, **params) -> Variant:
+    """The variant of `kernel` that `function` loads: `pdl` defaults to on (every supported arch has
+    programmatic dependent launch); DSV4JIT_DISABLE_PDL wins over callers (debugging)."""
     spec = SPECS[kernel]
-    if spec.param("pdl") is not None:  # DSV4JIT_DISABLE_PDL wins over callers (debugging)
-        params = dict(params, pdl=params.get("pdl", arch.major >= 9) and not env.disable_pdl())
+    if spec.param("pdl") is not None:
+        params = dict(params, pdl=params.get("pdl", True) and not env.disable_pdl())
     return spec.variant(**params)
+
+
+def serving_variants(spec) -> list[Variant]:
+    """The serving set of `spec` (what ``precompile`` builds by default) as `function` loads it, so
+    that an image precompiled with the service's settings holds what its ops and `warmup` load."""
+    return [variant(spec.name, **params) for params in spec.serving]
 
 
 def function(kernel: str, name: str, device: torch.device, **params):
@@ -77,7 +84,7 @@ def function(kernel: str, name: str, device: torch.device, **params):
     fn = _FUNCTIONS.get(key)
     if fn is None:
         arch = _arch(SPECS[kernel], device)
-        module = loader.load(variant(kernel, arch, **params), arch)
+        module = loader.load(variant(kernel, **params), arch)
         fn = _FUNCTIONS[key] = getattr(module, name)
     return fn
 
@@ -120,7 +127,7 @@ def self_check(arch: Arch) -> SelfCheck:
     """Load (compiling on a miss) the trivial selftest kernel for `arch` as the ops would (the same PDL
     default), and when a GPU is visible run it and compare. A loader error fails the check."""
     try:
-        selftest = variant("selftest", arch, dtype="fp32")
+        selftest = variant("selftest", dtype="fp32")
         start = time.monotonic()
         module = loader.load(selftest, arch)
     except DSV4JITError as e:

@@ -242,7 +242,7 @@ def format_result(result: DemoResult) -> list[str]:
     for p in result.phases:
         plan = f"{p.plan_us_per_step:9.1f}" if p.plan_us_per_step is not None else f"{'in graph':>9s}"
         lines.append(f"{p.phase:8s} {p.mode:11s} {p.steps:6d} {p.tokens:8d} {plan} {p.us_per_step:10.1f} "
-                     f"{p.us_per_layer_step:14.1f} {p.tokens_per_s:11.4g}")
+                     f"{p.us_per_layer_step:14.1f} {p.tokens_per_s:11,.0f}")
     if result.backend == "kernels" and any(p.phase == "decode" and p.mode == "cuda graph" for p in result.phases):
         lines.append("decode: the first step runs eagerly before the capture and is not timed")
     lines.append("")

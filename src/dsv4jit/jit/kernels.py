@@ -12,7 +12,7 @@ SELFTEST = KernelSpec(
     header="selftest.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), PDL),
     exports={"affine": "dsv4::SelfTest<{dtype}, {pdl}>::affine"},
-    serving=({"dtype": "fp32", "pdl": True},),
+    serving=({"dtype": "fp32"},),
     doc="out = x * alpha + beta; toolchain and loader checks",
 )
 
@@ -29,7 +29,7 @@ PLAN = KernelSpec(
              "prefill_online_host_lengths": "dsv4::plan::Planner<{pdl}>::prefill_online_host_lengths",
              "decode_online": "dsv4::plan::Planner<{pdl}>::decode_online",
              "prefill_online_counts": "dsv4::plan::prefill_online_counts"},
-    serving=({"pdl": True}, {"pdl": False}),
+    serving=({},),
     doc="compress/write/decode plans from device- or host-resident lengths",
 )
 
@@ -59,7 +59,7 @@ def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, .
                 Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
         exports={"prefill": entry + "::prefill", "decode": entry + "::decode",
                  "describe_status": "dsv4::compress::describe_status"},
-        serving=tuple({"head_dim": hd, "state": st, "input": "fp32", "output": "fp32", "pdl": True}
+        serving=tuple({"head_dim": hd, "state": st, "input": "fp32", "output": "fp32"}
                       for hd in serving_dims for st in ("fp32", "bf16")),
         doc=f"ratio-{ratio} window softmax pooling and state-ring writes (prefill and decode)",
     )
@@ -78,7 +78,7 @@ STORE = KernelSpec(
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run",
              "describe_status": "dsv4::store::describe_status"},
-    serving=tuple({"dtype": "fp32", "format": f, "pdl": True} for f in STORE_FORMATS),
+    serving=tuple({"dtype": "fp32", "format": f} for f in STORE_FORMATS),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
 )
 
@@ -101,7 +101,7 @@ FUSED = KernelSpec(
     exports={"run": _FUSED_ENTRY + "::run",
              "describe_compress_status": "dsv4::compress::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
-    serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32", "pdl": True}
+    serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32"}
                   for r, f in ((4, "v4_fp8"), (4, "indexer_fp4"), (4, "indexer_fp8"), (128, "v4_fp8"))),
     doc="compress + RMSNorm + RoPE (+ Hadamard) + quantize + paged store in one kernel (head_dim from the format)",
     reject=lambda v: ("ratio 128 stores V4 rows (head_dim 512) only, not the indexer formats"
@@ -131,7 +131,7 @@ COMPAT_C4 = KernelSpec(
             Param("input", "dtype", FLOAT), Param("output", "dtype", FLOAT), PDL),
     exports={"decode": _COMPAT_ENTRY + "::decode", "prefill": _COMPAT_ENTRY + "::prefill",
              "describe_status": "dsv4::compat::describe_status"},
-    serving=tuple({"head_dim": hd, "state": "fp32", "input": "fp32", "output": "fp32", "pdl": True}
+    serving=tuple({"head_dim": hd, "state": "fp32", "input": "fp32", "output": "fp32"}
                   for hd in (512, 128)),
     doc="the older c4 entry points (indices/seq_lens, ring or 4-aligned pages, ragged-indexed output)",
 )
@@ -143,7 +143,7 @@ COMPRESS_ONLINE = KernelSpec(
     params=(Param("head_dim", "int", (128, 256, 512)), Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _ONLINE_ENTRY + "::prefill", "decode": _ONLINE_ENTRY + "::decode",
              "describe_status": "dsv4::online::describe_status"},
-    serving=tuple({"head_dim": 512, "state": st, "pdl": True} for st in ("fp32", "bf16")),
+    serving=tuple({"head_dim": 512, "state": st} for st in ("fp32", "bf16")),
     doc="online c128: one running softmax state row per request (prefill segments and decode steps)",
 )
 
@@ -168,7 +168,7 @@ FUSED_ONLINE = KernelSpec(
     exports={"run": _FUSED_ONLINE_ENTRY + "::run",
              "describe_compress_status": "dsv4::online::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
-    serving=tuple({"format": "v4_fp8", "state": st, "pdl": True} for st in ("fp32", "bf16")),
+    serving=tuple({"format": "v4_fp8", "state": st} for st in ("fp32", "bf16")),
     doc="online c128 + RMSNorm + RoPE + quantize + paged store in one kernel (head_dim 512, fp32 rows)",
 )
 

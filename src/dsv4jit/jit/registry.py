@@ -68,6 +68,8 @@ class KernelSpec:
     header: str  # relative to csrc/
     params: tuple[Param, ...]
     exports: Mapping[str, str]  # python name -> C++ function, with {param} placeholders
+    # what precompile builds by default: parameter values, without the launch options (pdl) that
+    # runtime.variant sets as the ops do
     serving: tuple[Mapping[str, Any], ...] = ()
     target: str = "cuda"  # "cuda" (nvcc, one GPU arch) or "host" (host C++ compiler only)
     fast_math: bool = False
@@ -95,9 +97,6 @@ class KernelSpec:
         if why:
             raise ValueError(f"kernel {self.name!r}: {why}")
         return Variant(self, canon)
-
-    def serving_variants(self) -> list["Variant"]:
-        return [self.variant(**v) for v in self.serving]
 
     def all_variants(self) -> list["Variant"]:
         names = [p.name for p in self.params]

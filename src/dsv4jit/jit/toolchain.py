@@ -23,6 +23,13 @@ from ..errors import DSV4JITSettingError, DSV4JITToolchainError
 
 _NVCC_SEARCH = "DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda"
 
+#: The GPU targets the kernels are written for, and their GPUs: the kernels use Hopper's thread-block
+#: clusters and programmatic dependent launch, so nothing before sm_90, and an arch-specific (``a``)
+#: target of each; the serving set compiles for each (CI compiles it for sm_90a and sm_100a), the GPU
+#: tests run on sm_90a.
+SUPPORTED_ARCHS = {"sm_90a": "H100, H200", "sm_100a": "B200, GB200", "sm_120a": "RTX 50-series, RTX PRO Blackwell"}
+_SUPPORTED_TEXT = "the kernels build for " + ", ".join(f"{arch} ({gpus})" for arch, gpus in SUPPORTED_ARCHS.items())
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -36,7 +43,9 @@ class Arch:
 
     @staticmethod
     def parse(text: str) -> "Arch":
-        """Accepts ``9.0``, ``9.0a``, ``90a``, ``sm_90a``, ``compute_90a``; sm_90+ gets the ``a`` suffix."""
+        """Accepts ``9.0``, ``9.0a``, ``90a``, ``sm_90a``, ``compute_90a``; sm_90+ gets the ``a`` suffix.
+        ValueError for text of another form, and for an arch not in `SUPPORTED_ARCHS` (before
+        anything compiles for it)."""
         raw = text.strip().lower()
         m = re.fullmatch(r"(?:sm_|compute_)?(\d+)(?:\.(\d+))?([af]?)", raw)
         if not m:
@@ -46,7 +55,10 @@ class Arch:
             if len(major) < 2:
                 raise ValueError(f"invalid CUDA arch {text!r}: expected e.g. 9.0a, 90a or sm_90a")
             major, minor = major[:-1], major[-1]
-        return Arch.from_capability(int(major), int(minor), suffix)
+        arch = Arch.from_capability(int(major), int(minor), suffix)
+        if not arch.supported:
+            raise ValueError(f"unsupported CUDA arch {text!r} ({arch}): {_SUPPORTED_TEXT}")
+        return arch
 
     @staticmethod
     def from_capability(major: int, minor: int, suffix: str | None = None) -> "Arch":
@@ -59,14 +71,14 @@ class Arch:
         return self.name == "host"
 
     @property
+    def supported(self) -> bool:
+        return self.is_host or self.name in SUPPORTED_ARCHS
+
+    @property
     def number(self) -> int:
         """Numeric arch (900 for sm_90a), as ``DSV4JIT_CUDA_ARCH`` seen by the C++ code."""
         digits = re.sub(r"\D", "", self.name)
         return int(digits) * 10
-
-    @property
-    def major(self) -> int:
-        return self.number // 100
 
     def gencode(self) -> str:
         code = self.name
@@ -86,14 +98,26 @@ def device_arch(index: int) -> Arch:
 
 
 def forced_arch() -> Arch | None:
-    """The arch ``DSV4JIT_CUDA_ARCH`` names, or None when it is unset."""
-    text = env.cuda_arch()
-    if text is None:
+    """``DSV4JIT_CUDA_ARCH`` as a target (a `DSV4JITSettingError` naming it when it is not a supported
+    arch), or None when it is unset."""
+    if not (text := env.cuda_arch()):
         return None
     try:
         return Arch.parse(text)
     except ValueError as e:
         raise DSV4JITSettingError(f"DSV4JIT_CUDA_ARCH: {e}") from None
+
+
+def device_target(index: int) -> Arch:
+    """The arch of CUDA device `index` as a build target; a GPU of an arch the kernels do not support
+    is a toolchain error naming the device (no build could run on it)."""
+    arch = device_arch(index)
+    if not arch.supported:
+        import torch
+
+        raise DSV4JITToolchainError(f"GPU {index} ({torch.cuda.get_device_name(index)}) is {arch}, which dsv4jit "
+                                    f"does not support ({_SUPPORTED_TEXT})")
+    return arch
 
 
 def resolve_arch(device_index: int | None = None) -> Arch:
@@ -106,7 +130,7 @@ def resolve_arch(device_index: int | None = None) -> Arch:
         raise DSV4JITToolchainError(
             "no CUDA device is visible to pick a target arch: pass --arch (e.g. --arch 9.0a) "
             "or set DSV4JIT_CUDA_ARCH")
-    return device_arch(torch.cuda.current_device() if device_index is None else device_index)
+    return device_target(torch.cuda.current_device() if device_index is None else device_index)
 
 
 # --------------------------------------------------------------------------------------------

@@ -110,11 +110,15 @@ def check_widths(op: str, message: str, head_dim: int, context: str, rows: dict)
 
 def public_error(op: str, error: Exception, given: dict, names: tuple, optional: tuple = (), explain=None):
     """Raise `error`, met by public op `op`, as what the user passed: an argument of the wrong type
-    (arguments.explain), then what `explain(message)` finds (a head_dim the tensors do not have, a
-    freq_cis of another form), else the error itself under the op's name. A torch reference names
-    its own argument (`plan_w`, a field of the op's plan), a step of a fused op names that step: both
-    become the op and its argument. Only failing calls get here, so the happy path pays nothing."""
+    (arguments.explain), tensors on more than one device (each passed one named, the plan's rows as
+    `plan`), then what `explain(message)` finds (a head_dim the tensors do not have, a freq_cis of
+    another form), else the error itself under the op's name. A torch reference names its own
+    argument (`plan_w`, a field of the op's plan), a step of a fused op names that step: both become
+    the op and its argument. Only failing calls get here, so the happy path pays nothing."""
     arguments.explain(op, given, names, optional)
+    tensors = {name: given[name][1] if name == "plan" else given[name]  # given: the op's locals, arguments first
+               for name in given if name in names or name == "plan" or (name in optional and given[name] is not None)}
+    arguments.one_device(op, tensors)
     if explain is not None:
         explain(str(error))
     if not isinstance(error, (ValueError, TypeError)):

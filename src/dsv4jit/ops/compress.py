@@ -97,15 +97,15 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
     if type(head_dim) is not int or type(compress_ratio) is not int or type(is_online) is not bool:
         common.scalars(_OP, {"head_dim": head_dim, "compress_ratio": compress_ratio}, {"is_online": is_online})
     kind = online.KIND if is_online else RING
-    given_out = out
     with arguments.explained(_OP, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",)):
         kind.check(_OP, plan, compress_ratio, head_dim, kv_score_input)
     try:
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(_OP, ape, row_dtype)
-        if out is None:  # on the input's device: a device mix is then reported by the checks, naming the argument
-            out = torch.empty((plan[1].shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
-        args = (kv_score_buffer, kv_score_input, kernel_ape, plan[1], common.write_rows(plan), out, head_dim)
+        # on the input's device, so that a device mix is the caller's; `out` stays what the caller passed
+        rows = torch.empty((plan[1].shape[0], head_dim), dtype=row_dtype,
+                           device=kv_score_input.device) if out is None else out
+        args = (kv_score_buffer, kv_score_input, kernel_ape, plan[1], common.write_rows(plan), rows, head_dim)
         if is_online:
             online.online_op(*args)
         else:
@@ -114,8 +114,8 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
         common.public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
                             lambda text: kind.widths(_OP, text, head_dim, compress_ratio, kv_score_buffer,
                                                      kv_score_input, ape))
-    _remember(kind, plan, head_dim, compress_ratio, is_online, kv_score_buffer, kv_score_input, ape, out, given_out)
-    return out
+    _remember(kind, plan, head_dim, compress_ratio, is_online, kv_score_buffer, kv_score_input, ape, rows, out)
+    return rows
 
 
 def _remember(kind, plan, head_dim, compress_ratio, is_online, buffer, inputs, ape, out, given_out) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, in_range
+from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, in_range, one_device
 from dsv4jit.geometry import check_ratio, head_dim_multiple, row_width, window_size
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
 from dsv4jit.reference.online import (
@@ -83,10 +83,8 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
         raise ValueError(f"ape: expected shape [{wn}, {head_dim}], got {list(ape.shape)}")
     if list(out.shape) != [out_rows, head_dim]:
         raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
-    devices = {t.device for t in (kv_score_buffer, kv_score_input, ape, out)}
-    if len(devices) != 1:
-        raise TypeError(f"kv_score_buffer, kv_score_input, ape, out: expected one device, "
-                        f"got {sorted(map(str, devices))}")
+    one_device("reference.compress", {"kv_score_buffer": kv_score_buffer, "kv_score_input": kv_score_input,
+                                       "ape": ape, "out": out})
 
 
 def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:

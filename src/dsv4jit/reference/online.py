@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range
+from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range, one_device
 from dsv4jit.geometry import CHUNK, head_dim_multiple, online_input_width, online_state_width
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan
 
@@ -119,6 +119,7 @@ def _check(state, inputs, ape, out, head_dim, out_rows):
         raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     if list(out.shape) != [out_rows, head_dim]:
         raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
+    one_device("reference.online", {"kv_score_buffer": state, "kv_score_input": inputs, "ape": ape, "out": out})
 
 
 def _check_slot(plan: str, what: str, slot: int, rows: int) -> None:
