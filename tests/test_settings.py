@@ -67,13 +67,13 @@ def test_no_compile_of_another_spelling_is_an_error_not_a_compile(fake_nvcc, tmp
     assert counted(counter) == 0
 
 
-def test_checked_mode_and_pdl_settings_are_checked_at_first_use(monkeypatch, arch):
+def test_checked_mode_and_pdl_settings_are_checked_at_first_use(monkeypatch):
     monkeypatch.setenv("DSV4JIT_CHECK", "enabled")
     with pytest.raises(DSV4JITSettingError, match="DSV4JIT_CHECK='enabled'"):
         runtime.set_checks(None)
     monkeypatch.setenv("DSV4JIT_DISABLE_PDL", "y")
     with pytest.raises(DSV4JITSettingError, match="DSV4JIT_DISABLE_PDL='y'"):
-        runtime.variant("selftest", arch, dtype="fp32")
+        runtime.variant("selftest", dtype="fp32")
 
 
 @pytest.mark.parametrize("name", ["DSV4JIT_NVCC", "CUDA_HOME", "CUDA_PATH"])

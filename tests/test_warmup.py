@@ -95,7 +95,7 @@ def test_variants_take_the_arch_as_warmup_does():
 #: The configurations the serving set stands for, as warmup takes them: DeepSeek-V4 through every op
 #: family with the default formats and the fp4 indexer, bf16 state pools, and the bf16 latent cache.
 SERVING_CONFIGS = (dict(ops=tuple(FAMILIES)), dict(ops=tuple(FAMILIES), use_fp4=True),
-                   dict(ops=("compress", "online", "fused_online"), state_dtype=torch.bfloat16),
+                   dict(ops=("compress", "online", "fused_online", "online_mtp"), state_dtype=torch.bfloat16),
                    dict(ops=("store",), bf16_store=True))
 
 
