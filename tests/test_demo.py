@@ -152,7 +152,7 @@ def test_cache_comparison_tolerates_one_step_flips_only(clean_run):
 def test_cli_demo_json(fused, capsys):
     code = cli.main(["demo", "--device", "cpu", "--requests", "1", "--min-prompt", "130", "--max-prompt", "130",
                      "--chunk", "64", "--decode-steps", "3", "--layers", "2", "--indexer-fp8", "--no-progress",
-                     "--json"] + (["--fused"] if fused else []))
+                     "--json"] + ([] if fused else ["--two-step"]))
     payload = json.loads(capsys.readouterr().out)
     assert code == 0 and payload["ok"] is True and payload["config"]["fused"] is fused
     assert payload["prompt_lens"] == [130] and payload["config"]["indexer_fp8"] is True

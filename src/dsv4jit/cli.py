@@ -300,7 +300,7 @@ def cmd_demo(args) -> int:
                                 max_prompt=args.max_prompt, chunk=args.chunk, decode_steps=args.decode_steps,
                                 layers=args.layers, seed=args.seed, indexer_fp8=args.indexer_fp8 or None,
                                 graph=False if args.eager else None, decode_plans=args.decode_plans,
-                                check=False if args.no_check else None, fused=args.fused or None)
+                                check=False if args.no_check else None, fused=False if args.two_step else None)
         config.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -420,8 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--seed", type=int, help="random seed")
     pd.add_argument("--indexer-fp8", action="store_true", help="indexer cache in fp8 instead of fp4")
     pd.add_argument("--eager", action="store_true", help="decode without a CUDA graph")
-    pd.add_argument("--fused", action="store_true",
-                    help="run each compressor step through compress_and_store (one op) instead of two")
+    pd.add_argument("--two-step", action="store_true",
+                    help="run each compressor through compress_forward + compress_norm_rope_store instead of one op "
+                    "per layer (compress_and_store_c4_layer, compress_and_store)")
     pd.add_argument("--decode-plans", choices=("in-graph", "copy"),
                     help="build decode plans inside the graph, or outside it and copy_ them in")
     pd.add_argument("--speculative", action="store_true",

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from .layer import Compressor, CompressorSpec, step, yarn_freq_cis
+from .layer import Compressor, CompressorSpec, layer_step, yarn_freq_cis
 from .pool import SWA_PAGE, PagedPool, Step, out_loc
 
 #: kv_score inputs of one step: [layer][compressor] -> [tokens, last_dim] fp32 (the wkv_gate GEMM output).
@@ -58,9 +58,8 @@ class Engine:
     # ---- layers ---------------------------------------------------------------------------------
     def run_layers(self, plans: dict, inputs: Inputs, out_locs: dict[int, torch.Tensor]) -> None:
         for layer, layer_inputs in zip(self.layers, inputs):
-            for comp, kv_score in zip(layer, layer_inputs):
-                r = comp.spec.ratio
-                step(comp, plans[r], kv_score, out_locs[r], self.freq_cis, fused=self.fused)
+            r = layer[0].spec.ratio
+            layer_step(layer, plans[r], layer_inputs, out_locs[r], self.freq_cis, fused=self.fused)
 
     def to_device(self, inputs: Inputs) -> Inputs:
         return [[x.to(self.device, non_blocking=True) for x in layer] for layer in inputs]

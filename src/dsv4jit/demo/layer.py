@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..geometry import ROPE_DIM, page_bytes
-from ..ops import compress_and_store, compress_forward, compress_norm_rope_store
+from ..ops import compress_and_store, compress_and_store_c4_layer, compress_forward, compress_norm_rope_store
 from .pool import SWA_PAGE, PagedPool
 
 NORM_EPS = 1e-6          # rms_norm_eps
@@ -92,6 +92,22 @@ def step(comp: Compressor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor, 
     kv = compress_forward(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio)
     compress_norm_rope_store(kv, plan, norm_weight=comp.norm_weight, norm_eps=NORM_EPS, freq_cis=freq_cis,
                              out_loc=out_loc, kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4)
+
+
+def layer_step(comps: list[Compressor], plan, kv_scores: list[torch.Tensor], out_loc: torch.Tensor,
+               freq_cis: torch.Tensor, *, fused: bool = False) -> None:
+    """One layer's compressors for one forward step; `fused`: a c4 layer's two in one op
+    (compress_and_store_c4_layer, one launch per pass), any other compressor through compress_and_store."""
+    if fused and len(comps) == 2:
+        core, indexer = comps
+        compress_and_store_c4_layer(core.state, kv_scores[0], core.ape, indexer.state, kv_scores[1], indexer.ape, plan,
+                                    norm_weight=core.norm_weight, indexer_norm_weight=indexer.norm_weight,
+                                    norm_eps=NORM_EPS, freq_cis=freq_cis, out_loc=out_loc, kvcache=core.cache,
+                                    page_size=core.spec.page_size, indexer_kvcache=indexer.cache,
+                                    use_fp4=indexer.spec.use_fp4)
+        return
+    for comp, kv_score in zip(comps, kv_scores):
+        step(comp, plan, kv_score, out_loc, freq_cis, fused=fused)
 
 
 def yarn_freq_cis(max_pos: int, *, theta: float = ROPE_THETA, factor: float = 16.0, original: int = 65536,

@@ -32,7 +32,7 @@ class DemoConfig:
     graph: bool = True           # capture the decode step in a CUDA graph (GPU only)
     decode_plans: str = "in-graph"  # "in-graph" or "copy" (see DecodeGraph)
     check: bool = True           # also run the reference backend and compare
-    fused: bool = False          # each compressor step through compress_and_store (one op)
+    fused: bool = True           # one op per layer (compress_and_store_c4_layer, compress_and_store); else two per compressor
 
     def validate(self) -> None:
         for name in ("requests", "min_prompt", "chunk", "layers"):
@@ -229,7 +229,8 @@ def format_result(result: DemoResult) -> list[str]:
     where = f"{result.device_name} ({result.device})" if result.backend == "kernels" else f"the {result.device_name}"
     lines = [f"dsv4jit demo on {where}: {backend}", sizes,
              f"layers {cfg['layers']}: " + "; ".join(dict.fromkeys(result.layer_kinds)) + " (alternating)",
-             "compressor step: " + ("compress_and_store (fused)" if cfg["fused"]
+             "compressor step: " + ("one op per layer: compress_and_store_c4_layer (c4), compress_and_store (c128)"
+                                    if cfg["fused"]
                                     else "compress_forward + compress_norm_rope_store")]
     loaded = ("the CPU planner" if result.backend == "reference"
               else "the kernels and the CPU planner" if cfg["check"] else "the kernels")
