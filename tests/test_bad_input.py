@@ -190,8 +190,17 @@ def shape(name: str, *index):
 
 def out_loc_beyond_cache(kw):
     out_loc = kw["out_loc"].clone()
-    out_loc[:] = kw["kvcache"].shape[0] * kw["page_size"]
+    out_loc[:] = kw["kvcache"].shape[0] * kw["page_size"] + torch.arange(out_loc.numel(), device=out_loc.device)
     return out_loc
+
+
+def out_loc_repeated(kw):
+    """Every row stores at one cache location."""
+    return torch.zeros_like(kw["out_loc"])
+
+
+def permuted(name):
+    return lambda kw: kw[name].transpose(0, 1)
 
 
 def real_freq(kw):
@@ -269,6 +278,7 @@ ROWS = [
      r" was built for compress_ratio 4, got compress_ratio 128", "plan"),
     ("compress_forward", "kv_score_input", lambda kw: kw["kv_score_input"].tolist(), TypeError,
      r" must be a torch.Tensor, got list"),
+    ("compress_forward", "kv_score_buffer", permuted("kv_score_buffer"), ValueError, r": must be contiguous"),
     ("compress_forward", "kv_score_buffer", cast("kv_score_buffer", torch.int32), TypeError,
      r": expected dtype float32 or bfloat16, got torch.int32"),
     ("compress_forward", "ape", shape("ape", slice(0, 4)), ValueError, r": expected shape \[8, 128\], got \[4, 128\]"),
@@ -283,8 +293,13 @@ ROWS = [
      r" is 256, but the rows of 'kv_score_buffer' have 1536 values .*they have 3·head_dim = 768"),
     ("compress_forward (online)", "kv_score_input", cast("kv_score_input", torch.bfloat16), TypeError,
      r": dtype must be float32 with is_online=True, got torch.bfloat16"),
-    ("compress_norm_rope_store", "norm_eps", lambda kw: -1, ValueError, r" must be a finite number >= 0, got -1"),
+    ("compress_norm_rope_store", "norm_eps", lambda kw: -1, ValueError, r" must be a finite number > 0 .*, got -1"),
+    ("compress_norm_rope_store", "norm_eps", lambda kw: 0.0, ValueError, r" must be a finite number > 0 \(0 turns an all-zero row into NaN\), got 0.0"),
     ("compress_norm_rope_store", "norm_eps", lambda kw: "1e-6", TypeError, r" must be a float, got str"),
+    ("compress_norm_rope_store", "out_loc", out_loc_repeated, ValueError,
+     r": two rows that store a compressed token name one cache location"),
+    ("compress_norm_rope_store", "freq_cis", shape("freq_cis", slice(0, 0)), ValueError,
+     r": the RoPE positions of the stored rows \(seq_len - compress_ratio\) must lie in \[0, 0\)"),
     ("compress_norm_rope_store", "freq_cis", real_freq, ValueError,
      r" must be complex64 \[max_pos, 32\] or float32 \[max_pos, 64\] \(interleaved cos, sin\), "
      r"got \[\d+, 32\] torch.float32"),
@@ -310,7 +325,10 @@ ROWS = [
     ("compress_norm_rope_store", "plan", lambda kw: tuple(kw["plan"])[:3], TypeError, r" must be a CompressorPrefillPlan"),
     ("compress_norm_rope_store", "layout", lambda kw: "v3", NotImplementedError, r" can only be 'v4' .*got 'v3'"),
     ("compress_norm_rope_store", "fp8_2buff", lambda kw: True, NotImplementedError, r" can only be False"),
-    ("compress_and_store", "norm_eps", lambda kw: float("nan"), ValueError, r" must be a finite number >= 0, got nan"),
+    ("compress_and_store", "norm_eps", lambda kw: float("nan"), ValueError, r" must be a finite number > 0 .*, got nan"),
+    ("compress_and_store", "norm_eps", lambda kw: 0.0, ValueError, r" must be a finite number > 0 .*, got 0.0"),
+    ("compress_and_store", "out_loc", out_loc_repeated, ValueError,
+     r": two rows that store a compressed token name one cache location"),
     ("compress_and_store", "head_dim", lambda kw: 256, ValueError, r" must be 512 or 128, got 256"),
     ("compress_and_store", "out_loc", out_loc_beyond_cache, ValueError,
      r": the cache locations of the stored rows must lie in \[0, \d+\)"),

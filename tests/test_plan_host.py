@@ -160,3 +160,24 @@ def test_copy_refreshes_graph_buffers():
         a.copy_(CompressorPrefillPlan(4, b.plan_c[:1], b.plan_w))
     c, w = a.rows()
     assert bool(c.valid.any()) and bool(w.valid.any())
+
+
+def test_two_requests_on_one_slot_are_named():
+    """Two requests of a step on one state slot would write one state: the planner names
+    req_pool_indices (on the host always; on the GPU in checked mode)."""
+    rpi, seq, ext, r2t, f2s = planner_inputs(4, batch=6)
+    rpi[3] = rpi[1]
+    with pytest.raises(ValueError, match=r"^dsv4jit\.CompressorDecodePlan\.generate: argument 'req_pool_indices': "
+                                         r"two requests name one slot"):
+        CompressorDecodePlan.generate(4, rpi, r2t, f2s, seq, 256, 8)
+    with pytest.raises(ValueError, match=r"argument 'req_pool_indices': two requests name one slot"):
+        CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s, 256, 8, int(ext.sum()))
+    with pytest.raises(ValueError, match=r"generate_online: argument 'req_pool_indices': two requests name one slot"):
+        CompressorDecodePlan.generate_online(seq, rpi, r2t)
+
+
+def test_a_negative_length_names_seq_lens():
+    rpi, seq, ext, r2t, f2s = planner_inputs(5, batch=3)
+    seq[1], ext[1] = -2, 1
+    with pytest.raises(ValueError, match=r"argument 'seq_lens': entry 1 must be >= 1, got -2"):
+        CompressorPrefillPlan.generate(4, rpi, seq, ext, r2t, f2s, 256, 8, int(ext.sum()))

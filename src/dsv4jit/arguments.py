@@ -1,7 +1,7 @@
 """Argument checks shared by the public functions and the torch references: one module, so that
 a rule (the dtypes a state pool may have, an index range, a tensor's shape) is written once.
 
-* Scalars and argument types (`integer`, `flag`, `nonnegative`, `tensors`, `explain`), and a device
+* Scalars and argument types (`integer`, `flag`, `positive`, `tensors`, `explain`), and a device
   mix (`one_device`): what the kernels' own checks (csrc/common/tensor_check.h) cannot see or name. Messages take their form:
   ``dsv4jit.<function>: argument '<name>' must be <expected>, got <actual>``.
 * Dtypes (`FLOAT_DTYPES`, `STATE_DTYPES`, `dtype_key`): what the kernels take, by our dtype names.
@@ -52,12 +52,14 @@ def flag(op: str, name: str, value) -> bool:
     raise _fail(op, name, "a bool", value)
 
 
-def nonnegative(op: str, name: str, value) -> float:
-    """`value` as a finite float >= 0 (an int or float, not a bool)."""
+def positive(op: str, name: str, value) -> float:
+    """`value` as a finite float > 0 (an int or float, not a bool): an epsilon that keeps an
+    all-zero row finite (with 0 its RMSNorm is 0 · inf = NaN)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(op, name, "a float", value)
-    if not 0 <= value < math.inf:
-        raise ValueError(f"dsv4jit.{op}: argument '{name}' must be a finite number >= 0, got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"dsv4jit.{op}: argument '{name}' must be a finite number > 0 (0 turns an all-zero row "
+                         f"into NaN), got {value!r}")
     return float(value)
 
 

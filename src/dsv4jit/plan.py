@@ -46,6 +46,14 @@ def _placement(tables, lengths) -> tuple[torch.device, bool]:
     return tables[0].device, False
 
 
+def _distinct_slots(op: str, req_pool_indices: torch.Tensor) -> None:
+    """Two requests of one step on one slot would write one state: ValueError naming the argument
+    (made where it costs no sync: every input on the CPU, or checked mode)."""
+    if req_pool_indices.numel() != torch.unique(req_pool_indices).numel():
+        raise ValueError(f"dsv4jit.{op}: argument 'req_pool_indices': two requests name one slot (their steps "
+                         f"would write one state), got {req_pool_indices.tolist()[:64]}")
+
+
 def _plan_status(device: torch.device) -> torch.Tensor | None:
     """Checked mode: the planner's status words (bits, padding, lowest violation key as u64)."""
     return torch.tensor([0, 0, -1, -1], dtype=torch.int32, device=device) if runtime.checks_enabled() else None
@@ -76,6 +84,8 @@ def _plan_prefill(entry, op, tables, args, seq_lens, extend_lens, num_q_tokens, 
     by where lengths and lookup tables (`tables`, led by req_pool_indices) live."""
     num_q_tokens = operator.index(num_q_tokens)  # a float is a TypeError, which the caller explains
     device, on_gpu = _placement(tables, (seq_lens, extend_lens))
+    if not on_gpu or runtime.checks_enabled():
+        _distinct_slots(op, tables[0])
     name = kernel(on_gpu)[0]
     if seq_lens.is_cuda or use_cuda_graph:  # bucket-sized plans, invalid past the counts
         rows_c = rows_w = num_q_tokens
@@ -110,6 +120,8 @@ def _plan_decode(entry, op, tables, args, seq_lens):
     """The kernel call allocates plan_d itself (torch's caching allocator, through tvm-ffi) where
     torch allows it (runtime.kernels_allocate), else fills one allocated here."""
     device, on_gpu = _placement(tables, (seq_lens,))
+    if not on_gpu or runtime.checks_enabled():
+        _distinct_slots(op, tables[0])
     plan_d = None
     if not runtime.kernels_allocate():
         plan_d = torch.empty((seq_lens.shape[0] if seq_lens.dim() == 1 else 0, 16), dtype=torch.uint8, device=device)

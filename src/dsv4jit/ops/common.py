@@ -76,13 +76,13 @@ def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
     The custom ops take this real table: inductor cannot lower a mutating op with a complex operand.
     """
     if freq_cis.is_complex():
-        return torch.view_as_real(freq_cis).reshape(freq_cis.shape[0], -1)
+        return torch.view_as_real(freq_cis).flatten(-2)
     return freq_cis
 
 
 def complex_freq(freq: torch.Tensor) -> torch.Tensor:
     """The complex view of a real (cos, sin) table, for the torch references."""
-    return torch.view_as_complex(freq.reshape(freq.shape[0], -1, 2))
+    return torch.view_as_complex(freq.unflatten(-1, (-1, 2)))
 
 
 def check_freq(op: str, freq_cis: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from .compress import RING, compress_op
 from .online import KIND as ONLINE
 from .online import RATIO as ONLINE_RATIO
 from .online import online_op
-from .store import check_store, store_op
+from .store import check_store, checked_locations, store_op
 
 _OP = "compress_and_store"
 _TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis", "out_loc", "kvcache")
@@ -85,7 +85,7 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     (online plans, head_dim 512, fp32 rows).
     """
     if (type(head_dim) is int and type(compress_ratio) is int and type(page_size) is int
-            and type(norm_eps) is float and 0.0 <= norm_eps < math.inf and not library.tracing()):
+            and type(norm_eps) is float and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
             launch = _FAST[(plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online,
                             kv_score_buffer.dtype, kv_score_input.dtype, ape.dtype, norm_weight.dtype, freq_cis.dtype,
@@ -107,7 +107,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
             or type(use_fp4) is not bool or type(bf16_store) is not bool or type(is_online) is not bool):
         common.scalars(op, {"head_dim": head_dim, "compress_ratio": compress_ratio, "page_size": page_size},
                        {"use_fp4": use_fp4, "bf16_store": bf16_store, "is_online": is_online})
-    eps = arguments.nonnegative(op, "norm_eps", norm_eps)
+    eps = arguments.positive(op, "norm_eps", norm_eps)
     kind = ONLINE if is_online else RING
     with arguments.explained(op, locals(), _TENSORS):
         kind.check(op, plan, compress_ratio, head_dim, kv_score_input)
@@ -217,6 +217,8 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     name, params = _choice(is_online, compress_ratio, store_format, kv_score_buffer, kv_score_input)
     fn = runtime.function(name, "run", device, **params)
     status = runtime.status_word(device, words=2)
+    if status is not None:
+        checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
     one_kernel = runs_fused(compress_ratio, is_online, is_decode, plan_rows.shape[0])
     rows = None if one_kernel else torch.empty((plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype),
                                                device=device)

@@ -19,6 +19,7 @@ from ..geometry import INDEXER_HEAD_DIM, V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from . import common
 from .fused import DESCRIBE, fused_op
+from .store import checked_locations
 
 _OP = "compress_and_store_c4_layer"
 RATIO = 4
@@ -57,7 +58,7 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
     indexer_out_loc = out_loc if indexer_out_loc is None else indexer_out_loc
     indexer_page_size = page_size if indexer_page_size is None else indexer_page_size
     if (type(page_size) is int and type(indexer_page_size) is int and type(norm_eps) is float
-            and 0.0 <= norm_eps < math.inf and not library.tracing()):
+            and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
             launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv_score_buffer.dtype, kv_score_input.dtype,
                             ape.dtype, norm_weight.dtype, indexer_ape.dtype, indexer_norm_weight.dtype,
@@ -79,7 +80,7 @@ def _layer(given: dict) -> None:
         arguments.integer(op, name, g[name])
     for name in ("use_fp4", "bf16_store"):
         arguments.flag(op, name, g[name])
-    eps = arguments.nonnegative(op, "norm_eps", g["norm_eps"])
+    eps = arguments.positive(op, "norm_eps", g["norm_eps"])
     arguments.tensors(op, {name: g[name] for name in (*_CORE, *_INDEXER, "freq_cis")})
     if plan.compress_ratio != RATIO:
         raise ValueError(f"dsv4jit.{op}: argument 'plan' must be a c4 plan, got compress_ratio {plan.compress_ratio}")
@@ -156,6 +157,12 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
         return
     name, params = _choice(core_format, indexer_format, kv_score_buffer, kv_score_input)
     status = runtime.status_word(device, words=4)
+    if status is not None:
+        for step, locs in ((f"{_OP}[core]", out_loc), (f"{_OP}[indexer]", indexer_out_loc)):
+            try:
+                checked_locations(plan_rows, locs, RATIO, plan_w is None)
+            except ValueError as e:
+                raise arguments.reworded(step, e, ("out_loc",)) from None
     _launcher(runtime.function(name, "run", device, **params), kv_score_input.dtype)(
         kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size, indexer_kv_score_buffer,
         indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size,

@@ -42,7 +42,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     kvcache: ``[num_pages, page_bytes]`` uint8 view of the paged cache; formats by head_dim and flags:
     512 -> V4 fp8 latent (or bf16 rows with bf16_store), 128 -> indexer fp8 (or fp4 with use_fp4).
     """
-    if (type(page_size) is int and type(norm_eps) is float and 0.0 <= norm_eps < math.inf and layout == "v4"
+    if (type(page_size) is int and type(norm_eps) is float and 0.0 < norm_eps < math.inf and layout == "v4"
             and fp8_2buff is False and kvcache_rope is None and not library.tracing()):
         try:
             launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype,
@@ -67,7 +67,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
     plan = as_plan(op, plan)
     if type(page_size) is not int or type(use_fp4) is not bool or type(bf16_store) is not bool:
         common.scalars(op, {"page_size": page_size}, {"use_fp4": use_fp4, "bf16_store": bf16_store})
-    eps = arguments.nonnegative(op, "norm_eps", norm_eps)
+    eps = arguments.positive(op, "norm_eps", norm_eps)
     try:
         if kv.dim() != 2:
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
@@ -119,9 +119,17 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     name, params = kernel(common.dtype_name(kv, "kv", _OP, STATE_DTYPES), store_format)  # contract §8.4
     fn = runtime.function(name, "run", device, **params)
     status = runtime.status_word(device)
+    if status is not None:
+        checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
     fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
        is_decode, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params)
+
+
+def checked_locations(plan_rows: torch.Tensor, out_loc: torch.Tensor, compress_ratio: int, is_decode: bool) -> None:
+    """Checked mode on the GPU, before the launch: no two stored rows name one cache location (a data
+    check, so a sync; the CPU path always makes it)."""
+    ref_store.select_rows(plan_rows, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
 
 
 def check_store(rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,

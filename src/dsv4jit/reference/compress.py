@@ -89,6 +89,8 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
 
 def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
     """The pool as ``[rows, last_dim]``; a view, so writes land in the caller's buffer."""
+    if not kv_score_buffer.is_contiguous():
+        raise ValueError(f"kv_score_buffer: must be contiguous (row-major), got strides {list(kv_score_buffer.stride())}")
     return kv_score_buffer.view(-1, last_dim)
 
 

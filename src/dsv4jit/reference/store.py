@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import FLOAT_DTYPES, dtype_in
+from ..arguments import FLOAT_DTYPES, distinct, dtype_in
 from ..geometry import (  # noqa: F401  (the format constants are this module's API too)
     BF16_TOKEN_BYTES,
     FORMATS,
@@ -323,7 +323,9 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
             raise ValueError(f"out_loc is indexed by ragged id and has {out_loc.numel()} entries, "
                              f"but a plan row has ragged_id {int(loc_index.max())}")
     positions = rows.seq_len[keep] - compress_ratio
-    return keep, positions, out_loc[loc_index]
+    locs = out_loc[loc_index]
+    distinct("out_loc", locs, "that store a compressed token name one cache location (one would overwrite the other)")
+    return keep, positions, locs
 
 
 @dataclass(frozen=True)

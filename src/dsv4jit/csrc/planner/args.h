@@ -161,6 +161,7 @@ struct Totals {
 [[noreturn]] inline void bad_lengths(const char* op, int64_t b, int64_t seq_len, int64_t extend_len) {
   const std::string bs = std::to_string(b);
   if (seq_len > INT32_MAX) bad_entry(op, "seq_lens", bs, "below 2^31", seq_len);
+  if (seq_len < 1) bad_entry(op, "seq_lens", bs, ">= 1", seq_len);  // no extend length could fit
   bad_entry(op, "extend_lens", bs, "in [1, seq_lens[" + bs + "] = " + std::to_string(seq_len) + "]", extend_len);
 }
 
