@@ -16,7 +16,7 @@ import torch
 from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_forward,
                      compress_norm_rope_store)
 from dsv4jit.plan_layout import decode_compress_plan
-from dsv4jit.reference import store as ref_store
+from dsv4jit.geometry import page_bytes, store_format
 from pool_utils import SWA_PAGE, random_batch, random_pool
 
 EPS = 1e-6
@@ -107,7 +107,7 @@ def make_step(device, *, ratio: int = 4, head_dim: int = 512, decode: bool = Fal
         num_q = int(ext.sum())
         plan = CompressorPrefillPlan.generate(ratio, dev_rpi, seq.to(lens), ext.to(lens), dev_r2t, dev_f2s,
                                               SWA_PAGE, ring, num_q, use_cuda_graph=lengths_on_device)
-    fmt = ref_store.store_format(head_dim, use_fp4=use_fp4)
+    fmt = store_format(head_dim, use_fp4=use_fp4)
     page_size = PAGE_SIZE[ratio]
     num_pages = num_q // page_size + 2
     max_pos = int(seq.max()) + 1
@@ -123,7 +123,7 @@ def make_step(device, *, ratio: int = 4, head_dim: int = 512, decode: bool = Fal
         weight=(1 + 0.1 * torch.randn(head_dim, generator=gen)).to(device),
         freq_cis=torch.polar(torch.ones(max_pos, 32), 6.3 * torch.rand(max_pos, 32, generator=gen)).to(device),
         out_loc=torch.randperm(num_pages * page_size, generator=gen)[:num_q].to(device),
-        kvcache=torch.randint(0, 256, (num_pages, ref_store.page_bytes(fmt, page_size)), generator=gen,
+        kvcache=torch.randint(0, 256, (num_pages, page_bytes(fmt, page_size)), generator=gen,
                               dtype=torch.uint8).to(device),
     )
 

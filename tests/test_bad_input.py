@@ -22,7 +22,7 @@ from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_s
                      compress_norm_rope_store)
 from dsv4jit.compat import flash_c4_decode, flash_c4_prefill
 from dsv4jit.plan_layout import decode_write_plan, encode_write_plan
-from dsv4jit.reference import store as ref_store
+from dsv4jit.geometry import page_bytes
 from pool_utils import SWA_PAGE
 
 HD = 128  # the indexer head_dim: the smallest tensors that reach every check
@@ -93,7 +93,7 @@ def _online_args(fused: bool) -> dict:
     return kw | dict(norm_weight=torch.ones(hd), norm_eps=EPS,
                      freq_cis=torch.polar(torch.ones(max_pos, 32), torch.rand(max_pos, 32, generator=gen)),
                      out_loc=torch.randperm(2 * pages, generator=gen)[:t["num_q_tokens"]], page_size=2,
-                     kvcache=torch.zeros(pages, ref_store.page_bytes("v4_fp8", 2), dtype=torch.uint8))
+                     kvcache=torch.zeros(pages, page_bytes("v4_fp8", 2), dtype=torch.uint8))
 
 
 def _compat_decode_args() -> dict:

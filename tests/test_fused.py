@@ -19,7 +19,7 @@ import torch
 
 from dsv4jit import compress_and_store, compress_forward, compress_norm_rope_store
 from dsv4jit.ops import fused as fused_ops
-from dsv4jit.reference import store as ref_store
+from dsv4jit.geometry import page_bytes
 from test_compress import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, DEVICES, HAS_CUDA, Scenario
 
 CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -46,7 +46,7 @@ class Twin:
         self.state_b = sc.state.clone()
         # out_loc covers every token of a prefill step
         pages = -(-num_locs // self.page_size)
-        self.cache_a = torch.randint(0, 256, (pages, ref_store.page_bytes(fmt, self.page_size)), generator=gen,
+        self.cache_a = torch.randint(0, 256, (pages, page_bytes(fmt, self.page_size)), generator=gen,
                                      dtype=torch.uint8).to(sc.device)
         self.cache_b = self.cache_a.clone()
         self.locs = torch.randperm(pages * self.page_size, generator=gen)[:num_locs]

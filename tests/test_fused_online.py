@@ -26,7 +26,7 @@ import torch
 from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_forward,
                      compress_norm_rope_store)
 from dsv4jit.ops import fused as fused_ops
-from dsv4jit.reference import store as ref_store
+from dsv4jit.geometry import page_bytes
 from test_compress import C128_128, DEVICES
 from test_fused import CUDA_MARKS, MAX_CTX, Twin, fused_entries
 
@@ -45,7 +45,7 @@ class OnlineTwin(Twin):
         if page_size != self.page_size:
             self.page_size, num_locs = page_size, self.locs.numel()
             pages = -(-num_locs // page_size)
-            self.cache_a = torch.randint(0, 256, (pages, ref_store.page_bytes(fmt, page_size)), generator=gen,
+            self.cache_a = torch.randint(0, 256, (pages, page_bytes(fmt, page_size)), generator=gen,
                                          dtype=torch.uint8).to(sc.device)
             self.cache_b = self.cache_a.clone()
             self.locs = torch.randperm(pages * page_size, generator=gen)[:num_locs]

@@ -18,7 +18,7 @@ def written_positions(fmt: str, loc: int) -> set[int]:
     values = torch.randn(1, geometry.format_head_dim(fmt), generator=torch.Generator().manual_seed(3))
     changed = set()
     for poison in (0x00, 0xFF):
-        cache = torch.full((2, store.page_bytes(fmt, PAGE_SIZE)), poison, dtype=torch.uint8)
+        cache = torch.full((2, geometry.page_bytes(fmt, PAGE_SIZE)), poison, dtype=torch.uint8)
         store.WRITERS[fmt](cache, torch.tensor([loc]), values, PAGE_SIZE)
         changed |= set(torch.nonzero(cache.flatten() != poison).flatten().tolist())
     return changed
@@ -34,7 +34,7 @@ def test_a_token_lies_in_its_data_row_and_scale_row(fmt):
     """Token `slot` of a page: data at slot·data bytes, scales after the page's data rows (contract §6.5)."""
     data, scales = geometry.token_bytes(fmt)
     slot = 3
-    page = store.page_bytes(fmt, PAGE_SIZE)
+    page = geometry.page_bytes(fmt, PAGE_SIZE)
     expected = {page + slot * data + i for i in range(data)}
     expected |= {page + PAGE_SIZE * data + slot * scales + i for i in range(scales)}
     assert written_positions(fmt, PAGE_SIZE + slot) <= expected

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from dsv4jit.geometry import page_bytes
 from dsv4jit.plan_layout import encode_compress_plan, encode_decode_plan, invalid_compress_rows
 from dsv4jit.reference import quant
 from dsv4jit.reference import store
@@ -220,15 +221,15 @@ def test_rope_pairs_are_interleaved_trailing_dims(hd):
 # -------------------------------------------------------------------------------- page bytes
 
 def test_page_bytes_examples():
-    assert store.page_bytes("v4_fp8", 64) == 37440
-    assert store.page_bytes("v4_fp8", 2) == 1728
-    assert store.page_bytes("v4_fp8", 1) == 1152
-    assert store.page_bytes("v4_bf16", 1) == 1024
+    assert page_bytes("v4_fp8", 64) == 37440
+    assert page_bytes("v4_fp8", 2) == 1728
+    assert page_bytes("v4_fp8", 1) == 1152
+    assert page_bytes("v4_bf16", 1) == 1024
     for ps in (1, 2, 64):
-        assert store.page_bytes("indexer_fp8", ps) == 132 * ps
-        assert store.page_bytes("indexer_fp4", ps) == 68 * ps
+        assert page_bytes("indexer_fp8", ps) == 132 * ps
+        assert page_bytes("indexer_fp4", ps) == 68 * ps
     with pytest.raises(ValueError):
-        store.page_bytes("v4_fp8", 3)
+        page_bytes("v4_fp8", 3)
 
 
 # ------------------------------------------------------------ op: row selection and layouts
@@ -289,7 +290,7 @@ def run_case(fmt, hd, R, ps, flags, *, decode, loc_dtype, seed):
         out_loc[ragged] = targets
         kept = valid.nonzero().flatten().tolist()
         loc_of = {i: int(targets[i]) for i in kept}
-    cache = torch.full((n_pages, store.page_bytes(fmt, ps)), POISON, dtype=torch.uint8)
+    cache = torch.full((n_pages, page_bytes(fmt, ps)), POISON, dtype=torch.uint8)
     store.compress_norm_rope_store(kv, plan, is_decode=decode, compress_ratio=R, norm_weight=w, norm_eps=1e-6,
                                    freq_cis=freq_cis, out_loc=out_loc.to(loc_dtype), kvcache=cache,
                                    page_size=ps, **flags)
@@ -435,7 +436,7 @@ def test_bf16_kv_uses_weight_rounded_to_kv_dtype():
 @pytest.mark.parametrize("fmt", ["indexer_fp8", "indexer_fp4"])
 def test_indexer_writers_tiny_values_hit_amax_floor(fmt):
     v = (torch.randn(3, 128, generator=gen(500)) + 0.1) * 1e-7
-    cache = torch.full((2, store.page_bytes(fmt, 4)), POISON, dtype=torch.uint8)
+    cache = torch.full((2, page_bytes(fmt, 4)), POISON, dtype=torch.uint8)
     locs = torch.tensor([6, 0, 3])
     store.WRITERS[fmt](cache, locs, v, 4)
     if fmt == "indexer_fp8":
@@ -461,7 +462,7 @@ def test_bad_arguments_raise():
     kv, w, freq_cis = random_kv(2, 512, 600), random_weight(512, 601), freq_cis_table(16, 602)
     plan = encode_decode_plan(torch.tensor([4, 8]), torch.zeros(2, dtype=torch.int64),
                               torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
-    cache = torch.full((2, store.page_bytes("v4_fp8", 2)), POISON, dtype=torch.uint8)
+    cache = torch.full((2, page_bytes("v4_fp8", 2)), POISON, dtype=torch.uint8)
     common = dict(is_decode=True, compress_ratio=4, norm_weight=w, norm_eps=1e-6, freq_cis=freq_cis, page_size=2)
     with pytest.raises(ValueError, match="out_loc"):        # decode needs exactly B entries
         store.compress_norm_rope_store(kv, plan, out_loc=torch.tensor([1, 2, 3]), kvcache=cache, **common)

@@ -38,6 +38,7 @@ import torch
 
 import dsv4jit
 from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_norm_rope_store, runtime
+from dsv4jit.geometry import page_bytes
 from dsv4jit.plan_layout import (
     INVALID_U32,
     decode_compress_plan,
@@ -71,7 +72,7 @@ SCALE_FLIP_FRACTION = 1e-3     # UE8M0 tiles
 
 @dataclass(frozen=True)
 class Fmt:
-    name: str          # store format (reference.store.FORMATS)
+    name: str          # store format (geometry.FORMATS)
     head_dim: int
     ratio: int
     page_size: int
@@ -85,7 +86,7 @@ class Fmt:
 
     @property
     def page_bytes(self) -> int:
-        return ref_store.page_bytes(self.name, self.page_size)
+        return page_bytes(self.name, self.page_size)
 
     @property
     def id(self) -> str:

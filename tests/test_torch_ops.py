@@ -19,7 +19,7 @@ from compressor_step import (RING, Step, assert_same_result, fused_pipeline, mak
                              run)
 import dsv4jit.ops  # noqa: F401  (registers every custom op)
 from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_forward, compress_norm_rope_store
-from dsv4jit.reference import store as ref_store
+from dsv4jit.geometry import page_bytes
 from pool_utils import SWA_PAGE
 
 HAS_CUDA = torch.cuda.is_available()
@@ -168,7 +168,7 @@ def test_opcheck_online(decode):
     angles = torch.rand(512, 32, generator=gen)
     freq = torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(1)
     out_loc = torch.randperm(x.shape[0], generator=gen)
-    kvcache = torch.zeros(x.shape[0] // 2 + 1, ref_store.page_bytes("v4_fp8", 2), dtype=torch.uint8)
+    kvcache = torch.zeros(x.shape[0] // 2 + 1, page_bytes("v4_fp8", 2), dtype=torch.uint8)
     num_q = -1 if decode else plan.num_q_tokens
     args = (state, x, ape, plan[1], plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, "v4_fp8", 2,
             1e-6, num_q)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from .. import plan_layout
+from ..geometry import page_bytes
 from ..ops import compress_and_store, compress_forward, compress_norm_rope_store
-from ..reference import store as ref_store
 from . import compress as bench_compress
 from . import online as bench_online
 from . import report, timing
@@ -40,7 +40,7 @@ class Case:
         tokens = self.c.input.shape[0]
         page_size = PAGE_SIZE[ratio]
         pages = (max(rows, tokens) + page_size - 1) // page_size + 1
-        self.kvcache = torch.zeros(pages, ref_store.page_bytes(fmt, page_size), dtype=torch.uint8, device=dev)
+        self.kvcache = torch.zeros(pages, page_bytes(fmt, page_size), dtype=torch.uint8, device=dev)
         locs = torch.randperm(pages * page_size, device=dev)[:rows if decode else tokens]
         angles = torch.rand(max(seq) + 1, 32, device=dev) * 6.283
         self.store = dict(norm_weight=1 + 0.1 * torch.randn(hd, device=dev), norm_eps=1e-6,

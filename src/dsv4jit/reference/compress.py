@@ -11,8 +11,7 @@ State rows and input rows share one layout (``last_dim`` values per token, ``dsv
 * c128 (R = 128, Wn = 128): kv | score                                 (2·hd)
 
 Window slot ``s`` of the event closing at position ``p`` holds position ``p − Wn + 1 + s``.
-The online c128 math (``online_reset`` ... ``online_state_from_row``) lives in reference/online.py;
-this module keeps those names importable for callers of its earlier API.
+The online c128 math lives in reference/online.py.
 """
 
 from __future__ import annotations
@@ -24,31 +23,9 @@ import torch
 from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, in_range, one_device
 from dsv4jit.geometry import check_ratio, head_dim_multiple, row_width, window_size
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
-from dsv4jit.reference.online import (
-    OnlineState,
-    online_merge,
-    online_pool,
-    online_reset,
-    online_state_from_row,
-    online_state_to_row,
-    online_update,
-)
 
-__all__ = [
-    "compress_prefill",
-    "compress_decode",
-    "window_softmax",
-    "event_window_reference",
-    "window_size",
-    "row_width",
-    "OnlineState",
-    "online_reset",
-    "online_update",
-    "online_merge",
-    "online_pool",
-    "online_state_to_row",
-    "online_state_from_row",
-]
+__all__ = ["compress_prefill", "compress_decode", "window_softmax", "event_window_reference"]
+
 
 #: c4 slots 0–3 play the "overlap" role (previous block), slots 4–7 the "current" role.
 _C4_OVERLAP_SLOTS = 4

@@ -9,11 +9,10 @@ each processed row into a paged byte cache (contract §6.5). Formats:
 * ``"indexer_fp8"`` hd 128: 128 e4m3 + one fp32 scale per token (contract §6.9)
 * ``"indexer_fp4"`` hd 128: 64 packed fp4 bytes + 4 UE8M0 scales per token (contract §6.10)
 
-The byte geometry of each format (and ``page_bytes``, ``store_format``) is ``dsv4jit.geometry``'s,
-imported here under the names this module has always offered. The cache is a 2-D ``uint8`` tensor,
-one page per row. A location ``loc`` lives in page
-``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes contract §6.5
-assigns to a token and nothing else (notably byte 7 of a V4 scale row stays as it was).
+The byte geometry of each format (``page_bytes``, ``store_format``, the offsets) lives in
+``dsv4jit.geometry``. The cache is a 2-D ``uint8`` tensor, one page per row. A location ``loc`` lives
+in page ``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes
+contract §6.5 assigns to a token and nothing else (notably byte 7 of a V4 scale row stays as it was).
 
 Everything is computed on the CPU; the cache may live on any device and is mutated in place.
 """
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..arguments import FLOAT_DTYPES, distinct, dtype_in
-from ..geometry import (  # noqa: F401  (the format constants are this module's API too)
+from ..geometry import (
     BF16_TOKEN_BYTES,
     FORMATS,
     INDEXER_FP4_DATA_BYTES,
@@ -40,7 +39,6 @@ from ..geometry import (  # noqa: F401  (the format constants are this module's 
     V4_NOPE_DIM,
     V4_SCALE_BYTES,
     V4_TILE,
-    V4_TOKEN_BYTES,
     check_ratio,
     page_bytes,
     store_format,
