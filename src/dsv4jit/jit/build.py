@@ -70,7 +70,7 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
                 *deps, *includes, "-o", "module.so", source, *link]
     else:
         opt = ["-O0", "-G", "-g"] if env.debug_build() else ["-O3"]
-        extra = (["-use_fast_math"] if variant.spec.fast_math else []) + (["-lineinfo"] if env.lineinfo() else [])
+        extra = ["-lineinfo"] if env.lineinfo() else []
         argv = [str(tc.nvcc), "-ccbin", str(tc.cxx), "-shared", "-Xcompiler", "-fPIC", "-std=c++20", *opt,
                 "--expt-relaxed-constexpr", arch.gencode(), f"-DDSV4JIT_CUDA_ARCH={arch.number}",
                 "--threads", "1", *extra, *env.extra_cuda_flags(), *deps, *includes,

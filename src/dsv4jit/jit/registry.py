@@ -72,7 +72,6 @@ class KernelSpec:
     # runtime.variant sets as the ops do
     serving: tuple[Mapping[str, Any], ...] = ()
     target: str = "cuda"  # "cuda" (nvcc, one GPU arch) or "host" (host C++ compiler only)
-    fast_math: bool = False
     doc: str = ""
     # combinations the templates reject: returns why (a message), or None when the values are fine
     reject: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None
