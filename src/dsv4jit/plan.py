@@ -218,7 +218,9 @@ class CompressorPrefillPlan:
     compress_ratio: int
     plan_c: torch.Tensor
     plan_w: torch.Tensor
-    pin_buffer: Optional[torch.Tensor] = None  # kept for callers that pass one; planning needs no staging
+    # the upstream plan tuple's fourth entry; dsv4jit's planners need no staging buffer and set None,
+    # and a given one is ignored
+    pin_buffer: Optional[torch.Tensor] = None
     num_q_tokens: Optional[int] = None  # recorded by generate*; bounds out_loc in the store step
 
     @property
