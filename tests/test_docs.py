@@ -2,7 +2,8 @@
 resolve, the repository files they name exist (scripts, examples, tests), the README's code is an
 excerpt of an example that runs (tests/test_examples.py runs it),
 the migration guide's code parses and names only what dsv4jit has, its fallback switch picks
-dsv4jit, and the CI row of the tested-versions table is the environment CI runs in."""
+dsv4jit, the CI row of the tested-versions table is the environment CI runs in, and the
+support-header table of docs/jit.md lists every csrc/common/ header and only names they hold."""
 
 from __future__ import annotations
 
@@ -141,3 +142,70 @@ def test_the_ci_row_of_the_tested_versions_is_this_environment():
     if REAL_NVCC is not None:
         version = toolchain.toolchain(need_cuda=True).nvcc_version
         assert f"release {ci['CUDA toolkit']}," in version, version
+
+
+# ---------------------------------------------------------------------------------------------
+# The support-header table of docs/jit.md against csrc/
+# ---------------------------------------------------------------------------------------------
+
+CSRC = ROOT / "src" / "dsv4jit" / "csrc"
+HEADER_FILE = re.compile(r"^[\w/]+\.(?:h|cuh)$")
+IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+def support_header_rows() -> list[tuple[list[Path], str]]:
+    """(headers, provides) of each row of the table under "Support headers in `csrc/common/`"."""
+    text = (ROOT / "docs" / "jit.md").read_text(encoding="utf-8")
+    table = text.split("Support headers in `csrc/common/`:", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:  # past the heading and the rule
+        first, provides = line.strip("|").split("|", 1)
+        rows.append(([CSRC / "common" / n if "/" not in n else CSRC / n for n in re.findall(r"`([^`]+)`", first)],
+                     provides))
+    return rows
+
+
+def named_identifiers(span: str) -> list[str]:
+    """The names a code span gives: `load_vec<N>` names load_vec, `Dim::any()` Dim and any,
+    `.shape({...})` shape; what stands inside (), {} and <> are arguments, not names."""
+    outer, depth = [], 0
+    for ch in span:
+        depth += ch in "({<"
+        if depth == 0:
+            outer.append(ch)
+        depth -= ch in ")}>" and depth > 0
+    return IDENTIFIER.findall("".join(outer))
+
+
+def test_the_support_header_table_names_what_the_headers_hold():
+    rows = support_header_rows()
+    assert len(rows) >= 10, "the support-header table of docs/jit.md was not found"
+    listed = {h for headers, _ in rows for h in headers}
+    missing_headers = [str(h.relative_to(CSRC)) for h in listed if not h.is_file()]
+    assert not missing_headers, f"docs/jit.md names headers csrc/ lacks: {missing_headers}"
+    unlisted = sorted(p.name for p in (CSRC / "common").iterdir() if p not in listed)
+    assert not unlisted, f"csrc/common/ headers missing from the table of docs/jit.md: {unlisted}"
+    absent, checked = [], 0
+    for headers, provides in rows:
+        source = "\n".join(h.read_text(encoding="utf-8") for h in headers)
+        for span in re.findall(r"`([^`]+)`", provides):
+            if HEADER_FILE.match(span):  # a neighbour file of the row's header
+                if not (headers[0].parent / span).is_file():
+                    absent.append(f"{headers[0].name}: file {span}")
+                continue
+            for name in named_identifiers(span):
+                checked += 1
+                if not re.search(rf"\b{name}\b", source):
+                    absent.append(f"{', '.join(h.name for h in headers)}: {name} (from `{span}`)")
+    assert not absent, "docs/jit.md's support-header table names what the headers lack:\n" + "\n".join(absent)
+    assert checked > 80, f"only {checked} names checked: is the table parsed?"
+
+
+def test_the_support_header_check_reads_names_from_code_spans():
+    assert named_identifiers("load_vec<N>") == ["load_vec"]
+    assert named_identifiers("Dim::any()") == ["Dim", "any"]
+    assert named_identifiers(".aligned(bytes = 16)") == ["aligned"]
+    assert named_identifiers("DTypeInfo<T>::dtype") == ["DTypeInfo", "dtype"]
+    assert named_identifiers("launch(op, device, {grid, block, smem}, pdl, kernel, args...)") == ["launch"]
+    assert named_identifiers("cluster > 1") == ["cluster"]
+    assert named_identifiers("; ") == []

@@ -425,6 +425,12 @@ def test_parse_variant_id_round_trips_every_variant():
     assert len({v.id for v in variants}) == len({v.slug for v in variants}) == len(variants)
 
 
+def test_the_registry_shows_a_real_variant_id():
+    from dsv4jit.jit import registry
+    [shown] = re.findall(r"its id \(``([^`]+)``\)", registry.__doc__)
+    assert parse_variant_id(shown, SPECS).id == shown
+
+
 def test_parse_variant_id_normalises_and_reports():
     assert parse_variant_id("selftest[pdl=true, dtype=fp32]", SPECS).id == "selftest[dtype=fp32,pdl=1]"
     with pytest.raises(ValueError, match="unknown kernel 'nope'"):

@@ -2,8 +2,8 @@
 
 A :class:`KernelSpec` names a header under ``csrc/``, the C++ entry points to export (as templates
 over the spec's parameters) and the default "serving set" to precompile. A :class:`Variant` is one
-instantiation; its id (``c4_compress[head_dim=512,in=fp32,...]``) and slug are derived from the
-schema, never typed by hand.
+instantiation; its id (``compress_c4[head_dim=512,state=fp32,input=fp32,output=fp32,pdl=1]``) and
+slug are derived from the schema, never typed by hand.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ DTYPE_CPP = {"fp32": "float", "bf16": "dsv4::bf16_t", "fp16": "dsv4::fp16_t"}
 
 @dataclass(frozen=True)
 class Param:
-    """One template parameter: its name, kind (dtype, int, bool) and allowed values."""
+    """One template parameter: its name, kind (dtype, int, bool, enum) and allowed values."""
 
     name: str
     kind: str  # "dtype", "int", "bool", or "enum" (choices are names, cpp_names their C++ spelling)
