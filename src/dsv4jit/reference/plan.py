@@ -4,9 +4,12 @@ Written for clarity, not speed: loops over requests and tokens, Python integers 
 C-style division and int32 narrowing where the contract has them. Inputs may live on any device
 (they are read on the CPU); plans come back as CPU ``uint8`` tensors built by ``plan_layout``.
 
-Stage 0 (contract §3.2, contract §3.3) enumerates compress events and tokens to store; stage 1
-(contract §3.4) translates the (request, position) of each row into state rows / pages with one of
-the addressing schemes of contract §3.1.
+Prefill plans are built in two passes, for clarity: ``enumerate_stage0`` lists the compress events
+and the tokens to store (contract §3.2, contract §3.3) with each row's batch id and position still in
+its fields, then ``_translate`` turns those into state rows and pages with one of the addressing
+schemes of contract §3.1 (contract §3.4) and pads for CUDA graphs (contract §3.5). That intermediate
+form is this module's own: the planner kernels (csrc/planner/rules.h) write each row final, in one
+pass, and both give the same bytes.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ __all__ = [
 MAX_NUM_Q_TOKENS = 65536
 MAX_BATCH = 65535  # B < 65536: pack(65535, 65535) would equal the invalid WritePlan sentinel
 
-# Row -> (request, position) resolver used by stage 1: row_of(rid, pos) -> state row.
+# The addressing scheme the translation applies: row_of(rid, pos) -> state row.
 RowFn = Callable[[int, int], int]
 
 
@@ -116,12 +119,12 @@ def legacy_row(compress_ratio: int, rid: int, pos: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 0 (contract §3.2, contract §3.3)
+# Enumeration (contract §3.2, contract §3.3)
 # ---------------------------------------------------------------------------------------------
 
 def enumerate_stage0(compress_ratio: int, seq_lens, extend_lens, mtp_pad: int = 0,
                      page_tail: bool = False, swa_page_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage-0 rows of a prefill batch, batch-major and position-ascending (the CPU order).
+    """The enumerated rows of a prefill batch, batch-major and position-ascending (the CPU order).
 
     Returns (plan_c, plan_w) in their *pre-translation* form: compress rows carry
     ``read_page_0 = -1`` and ``read_page_1 = batch id``; write rows carry the packed
@@ -170,12 +173,12 @@ def enumerate_stage0(compress_ratio: int, seq_lens, extend_lens, mtp_pad: int = 
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 1 (contract §3.4)
+# Translation (contract §3.4)
 # ---------------------------------------------------------------------------------------------
 
 def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor, rids: list[int],
                row_of: RowFn, translate_all: bool, num_padded: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1: turn (batch id, position) into state rows / pages, then pad with invalid rows.
+    """Turn the enumerated (batch id, position) into state rows / pages, then pad with invalid rows.
 
     ``translate_all``: legacy translates every compress row; the paged planner only those with
     ``buffer_len > 0`` (the others keep read_page_0 = -1, read_page_1 = batch id; contract §3.4).
@@ -188,7 +191,7 @@ def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor
             continue
         p1 = seq_len - 1
         p0 = max(p1 - R, 0)
-        rid = rids[read_page_1[i]]  # stage 0 parked the batch id in read_page_1
+        rid = rids[read_page_1[i]]  # the enumeration parked the batch id in read_page_1
         read_page_0[i] = _cdiv(row_of(rid, p0), R)
         read_page_1[i] = _cdiv(row_of(rid, p1), R)
     plan_c = encode_compress_plan(c.seq_len, c.ragged_id, c.buffer_len,

@@ -3,7 +3,8 @@
 // Rows are emitted in CPU order (batch-major, position-ascending) by any number of threads at
 // once: each token finds its compress row and write row from closed-form per-request counts and
 // their prefix sums, so no atomics and no ordering races are involved (identical inputs give
-// identical bytes on every path). There is no packed "stage 0" intermediate: rows are final.
+// identical bytes on every path). A row is written once, final: its state rows and pages are looked
+// up as it is emitted (contract §3.1, contract §3.4).
 #pragma once
 
 #include <cstdint>
@@ -129,7 +130,7 @@ struct RequestEntry {
   uint32_t row_w;        // first write row of this request
 };
 
-/// Lengths are valid for planning: 0 < extend_len <= seq_len.
+/// Lengths are valid for planning: 0 < extend_len <= seq_len, and seq_len fits the rows' int32 positions.
 DSV4_HD bool valid_lengths(int64_t seq_len, int64_t extend_len) {
   return extend_len > 0 && extend_len <= seq_len && seq_len <= INT32_MAX;
 }
