@@ -140,7 +140,7 @@ BAD = [  # (change of arguments, error, the argument it names)
     (lambda L, x: {"indexer_kv_score_buffer": L.b["indexer_kv_score_buffer"][..., :256]}, ValueError,
      "indexer_kv_score_buffer"),
     (lambda L, x: {"kv_score_input": x["kv_score_input"][:, :1024]}, ValueError, "kv_score_input"),
-    (lambda L, x: {"indexer_out_loc": x["kv_score_input"]}, TypeError, "indexer_out_loc"),
+    (lambda L, x: {"indexer_out_loc": torch.zeros(3, device=L.device)}, TypeError, "indexer_out_loc"),
     (lambda L, x: {"indexer_kvcache": L.b["indexer_kvcache"][:, :64]}, ValueError, "indexer_kvcache"),
     (lambda L, x: {"indexer_norm_weight": L.a["norm_weight"]}, ValueError, "indexer_norm_weight"),
     (lambda L, x: {"freq_cis": L.freq_cis[:, :16]}, ValueError, "freq_cis"),

@@ -97,8 +97,11 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
     if type(head_dim) is not int or type(compress_ratio) is not int or type(is_online) is not bool:
         common.scalars(_OP, {"head_dim": head_dim, "compress_ratio": compress_ratio}, {"is_online": is_online})
     kind = online.KIND if is_online else RING
-    with arguments.explained(_OP, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",)):
+    try:
         kind.check(_OP, plan, compress_ratio, head_dim, kv_score_input)
+    except (TypeError, AttributeError):  # locals() only here: torch.compile traces the happy path
+        arguments.explain(_OP, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",))
+        raise
     try:
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(_OP, ape, row_dtype)
@@ -120,7 +123,7 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
 
 def _remember(kind, plan, head_dim, compress_ratio, is_online, buffer, inputs, ape, out, given_out) -> None:
     """After a successful unchecked eager call on CUDA tensors: the fast path's launcher of its signature."""
-    if not inputs.is_cuda or runtime.checks_enabled() or library.tracing():
+    if library.tracing() or not inputs.is_cuda or runtime.checks_enabled():
         return
     key = (plan.__class__, head_dim, compress_ratio, is_online, buffer.dtype, inputs.dtype, ape.dtype, inputs.device,
            given_out is None or given_out.dtype)

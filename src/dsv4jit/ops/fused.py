@@ -109,8 +109,11 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
                        {"use_fp4": use_fp4, "bf16_store": bf16_store, "is_online": is_online})
     eps = arguments.positive(op, "norm_eps", norm_eps)
     kind = ONLINE if is_online else RING
-    with arguments.explained(op, locals(), _TENSORS):
+    try:
         kind.check(op, plan, compress_ratio, head_dim, kv_score_input)
+    except (TypeError, AttributeError):  # locals() only here: torch.compile traces the happy path
+        arguments.explain(op, locals(), _TENSORS)
+        raise
     fmt = common.store_format(op, head_dim, use_fp4, bf16_store, "head_dim")
     if (is_online or compress_ratio == 128) and head_dim != V4_HEAD_DIM:
         where = "is_online=True" if is_online else "compress_ratio 128"
@@ -130,7 +133,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
             common.check_freq(op, freq_cis)))
-    if kv_score_input.is_cuda and not runtime.checks_enabled() and not library.tracing():
+    if not library.tracing() and kv_score_input.is_cuda and not runtime.checks_enabled():
         key = (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer.dtype,
                kv_score_input.dtype, ape.dtype, norm_weight.dtype, freq_cis.dtype, kv_score_input.device)
         name, params = _choice(is_online, compress_ratio, fmt, kv_score_buffer, kv_score_input)

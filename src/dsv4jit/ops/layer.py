@@ -68,7 +68,13 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
                           indexer_out_loc, indexer_kvcache, indexer_page_size, plan, freq_cis, norm_eps)
         except (KeyError, AttributeError, TypeError, ValueError):
             pass  # a new signature, or an error the full path explains
-    return _layer(locals())
+    return _layer(dict(  # not locals(): torch.compile traces this call
+        kv_score_buffer=kv_score_buffer, kv_score_input=kv_score_input, ape=ape, norm_weight=norm_weight,
+        out_loc=out_loc, kvcache=kvcache, page_size=page_size, indexer_kv_score_buffer=indexer_kv_score_buffer,
+        indexer_kv_score_input=indexer_kv_score_input, indexer_ape=indexer_ape,
+        indexer_norm_weight=indexer_norm_weight, indexer_out_loc=indexer_out_loc, indexer_kvcache=indexer_kvcache,
+        indexer_page_size=indexer_page_size, plan=plan, freq_cis=freq_cis, norm_eps=norm_eps, use_fp4=use_fp4,
+        bf16_store=bf16_store))
 
 
 def _layer(given: dict) -> None:
@@ -100,7 +106,7 @@ def _layer(given: dict) -> None:
         # an indexer argument that defaulted to the core's is reported under the name the caller gave
         same = {name for name in ("out_loc", "page_size") if g["indexer_" + name] is g[name]}
         raise _reworded(e, same) from None
-    if g["kv_score_input"].is_cuda and not runtime.checks_enabled() and not library.tracing():
+    if not library.tracing() and g["kv_score_input"].is_cuda and not runtime.checks_enabled():
         key = (plan.__class__, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"].dtype, dtype, g["ape"].dtype,
                g["norm_weight"].dtype, g["indexer_ape"].dtype, g["indexer_norm_weight"].dtype, g["freq_cis"].dtype,
                g["kv_score_input"].device)
@@ -123,7 +129,7 @@ def _reworded(error: Exception, same: set = frozenset()) -> Exception:
         if text.startswith(head):
             name = text[len(head):].split("'", 1)[0]
             shared = name in _SHARED or name in same or name.startswith("plan")
-            text = f"dsv4jit.{_OP}: argument '{name if shared else prefix + name}'" + text[len(head) + len(name):]
+            text = f"dsv4jit.{_OP}: argument '{name if shared else prefix + name}" + text[len(head) + len(name):]
         text = text.replace(f"dsv4jit.{_OP}{part}", f"dsv4jit.{_OP} ({part[1:-1]})")
     return type(error)(text)
 

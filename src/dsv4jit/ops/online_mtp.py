@@ -48,7 +48,7 @@ def _function(op: str, export: str, head_dim: int, state: str, device: torch.dev
 
 def _eager_cuda(t: torch.Tensor) -> bool:
     """After a successful call: whether its signature may take the fast path next time."""
-    return t.is_cuda and not runtime.checks_enabled() and not library.tracing()
+    return not library.tracing() and t.is_cuda and not runtime.checks_enabled()
 
 
 def _scalars(op: str, values: dict) -> None:

@@ -78,7 +78,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), (),
                             lambda text: common.check_freq(op, freq_cis))
-    if kv.is_cuda and not runtime.checks_enabled() and not library.tracing():
+    if not library.tracing() and kv.is_cuda and not runtime.checks_enabled():
         name, params = kernel(common.dtype_name(kv, "kv", op, STATE_DTYPES), fmt)
         fn = runtime.function(name, "run", kv.device, **params)
         _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, freq_cis.dtype,
