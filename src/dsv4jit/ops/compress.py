@@ -31,7 +31,8 @@ FAMILY = Family("compress", lambda cfg: [kernel(ratio, hd, cfg.state, cfg.input,
 
 
 def check_ratio(op: str, plan, compress_ratio: int, head_dim: int = 0, kv_score_input=None) -> None:
-    """compress_ratio is 4 or 128, and the plan's."""
+    """compress_ratio is 4 or 128, and the plan's (head_dim and the input: Kind.check's other arguments,
+    which the ring compressor's kernels check)."""
     try:
         geometry.check_ratio(compress_ratio)
     except ValueError as e:
@@ -59,7 +60,7 @@ def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> 
 
 
 RING = compressor.Kind(
-    name="ring", check=check_ratio, kernel=kernel, rows_per_page=lambda ratio: ratio, width=row_width,
+    check=check_ratio, kernel=kernel, rows_per_page=lambda ratio: ratio, width=row_width,
     row_dtype=lambda input_dtype: input_dtype, widths=ring_widths, reference=_reference)
 
 _FAST = runtime.call_cache()

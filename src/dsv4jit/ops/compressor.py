@@ -32,7 +32,6 @@ class Kind:
     not have head_dim's width; `reference(buffer, input, ape, plan_rows, plan_w, head_dim, ratio, out)`
     runs the CPU path."""
 
-    name: str
     check: Callable[..., None]
     kernel: Callable[..., KernelChoice]
     rows_per_page: Callable[[int], int]

@@ -75,7 +75,7 @@ def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, compress_ratio,
 
 
 KIND = compressor.Kind(
-    name="online", check=check_online, kernel=_kernel, rows_per_page=lambda ratio: 1,
+    check=check_online, kernel=_kernel, rows_per_page=lambda ratio: 1,
     width=lambda head_dim, ratio: online_state_width(head_dim), row_dtype=lambda input_dtype: torch.float32,
     widths=online_widths, reference=_reference)
 
