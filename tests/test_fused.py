@@ -179,7 +179,8 @@ def test_fused_long_random_scenario(device, config_format):
 
 def fused_entries(monkeypatch) -> list[tuple[str, str]]:
     """The (kernel, path) of every fused-module call from now on (runs_fused's choice): path is
-    decode or prefill, with _two_step where the call passed a buffer for the compressed rows."""
+    decode or prefill, with _two_step where the call passed a buffer for the compressed rows and no
+    row counters (with counters the buffer is the ring c128 kernel's scratch)."""
     calls, function = [], fused_ops.runtime.function
 
     def spy(name, entry, *args, **params):
@@ -188,8 +189,9 @@ def fused_entries(monkeypatch) -> list[tuple[str, str]]:
             return fn
 
         def run(*a):
-            plan_w, rows = a[4], a[5]
-            calls.append((name, ("decode" if plan_w is None else "prefill") + ("" if rows is None else "_two_step")))
+            plan_w, rows, counts = a[4], a[5], a[6]
+            two_step = rows is not None and counts is None
+            calls.append((name, ("decode" if plan_w is None else "prefill") + ("_two_step" if two_step else "")))
             return fn(*a)
 
         return run
@@ -200,29 +202,46 @@ def fused_entries(monkeypatch) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
-def test_fused_or_two_step_by_batch(device, monkeypatch):
-    """Ring c128 decode batches up to RING_C128_FUSED_DECODE_MAX_BATCH requests run the fused
-    kernel, larger ones and every prefill the two-step entries; c4 always the fused kernel. Either
-    way the states and caches equal the public two-step ops' bit for bit."""
+def test_ring_calls_run_one_kernel(device, monkeypatch):
+    """Every ring call runs the fused kernel: c128 at any batch, in decode (every request at a
+    boundary, one, none) and prefill, as c4. The states and caches equal the public two-step ops'
+    bit for bit."""
     calls = fused_entries(monkeypatch)
-    n = fused_ops.RING_C128_FUSED_DECODE_MAX_BATCH
+    n = 40
     tw = Twin(device, C128_128, "v4_fp8", num_reqs=n + 1, seed=5, num_locs=8 * 1024)
     tw.prefill(list(range(n + 1)), [127] * (n + 1))  # every request one token before its boundary
     tw.decode(list(range(n)))  # n boundary rows
     tw.prefill([n], [128])  # request n closes a window and stops one token before the next
     tw.decode(list(range(n + 1)))  # one boundary row among n + 1
+    tw.decode(list(range(n + 1)))  # none
     c4 = Twin(device, C4_PAGED_8, "v4_fp8", num_reqs=n + 1, seed=6)
     c4.prefill(list(range(n + 1)), [9 + r % 4 for r in range(n + 1)])
     c4.decode(list(range(n + 1)))
-    assert calls == [("fused", "prefill_two_step"), ("fused", "decode"), ("fused", "prefill_two_step"),
-                     ("fused", "decode_two_step"), ("fused", "prefill"), ("fused", "decode")]
+    assert calls == [("fused", "prefill"), ("fused", "decode"), ("fused", "prefill"), ("fused", "decode"),
+                     ("fused", "decode"), ("fused", "prefill"), ("fused", "decode")]
     assert tw.stored_steps == 3 and c4.stored_steps == 2
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_ring_c128_calls_share_their_plan_scratch(device):
+    """Ring c128 calls on one plan (a model step's layers) share the scratch and row counters kept
+    with it: each call equals its two steps, and the counters are zero after every call."""
+    n = 40
+    tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=9, num_locs=8 * 1024)
+    rids = list(range(n))
+    tw.prefill(rids, [127 + 64 * (r % 2) for r in rids])  # the even requests one token before a boundary
+    plan = tw.sc.decode_plan(rids)
+    for _ in range(3):
+        tw.run_both(tw.sc.random_rows(n), plan, tw.out_loc(n))
+        counts = fused_ops.plan_row_counts(plan[1], plan[1].device)
+        assert counts.shape == (n,) and not counts.any(), "row counters left non-zero"
+    assert tw.stored_steps == 4  # the prefill (the odd requests close a window) and the three calls
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
 def test_fused_c128_calls_of_many_rows(device):
-    """Ring c128 steps of many rows (the two-step entries): prefills of 160 and 128+ compress
-    events around decode batches of 64 requests."""
+    """Ring c128 steps of many rows: prefills of 160 and 128+ compress events around decode batches
+    of 64 requests."""
     n = 64
     tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=11, num_locs=32 * 1024)
     rids = list(range(n))

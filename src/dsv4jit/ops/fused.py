@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -33,10 +34,7 @@ _TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis
 DESCRIBE = ("describe_compress_status", "describe_store_status")
 
 #: Where one fused kernel measured slower than the two steps, the op runs the two steps itself, from
-#: the same entry point, which checks both first (docs/performance.md, "One kernel or two steps"). A
-#: ring c128 row is a cluster of 8 blocks that store only once the slowest has pooled: it pays while
-#: the batch leaves SMs free (decode up to this many requests), never in prefill.
-RING_C128_FUSED_DECODE_MAX_BATCH = 24
+#: the same entry point, which checks both first (docs/performance.md, "One kernel or two steps").
 #: Online prefill pools each segment row in one block: it pays from this many plan rows, where
 #: fewer would leave SMs idle that the compressor's 8 blocks per row keep busy.
 ONLINE_FUSED_PREFILL_MIN_ROWS = 129
@@ -47,7 +45,52 @@ def runs_fused(compress_ratio: int, is_online: bool, is_decode: bool, rows: int)
     steps, byte-identical either way)."""
     if is_online:
         return is_decode or rows >= ONLINE_FUSED_PREFILL_MIN_ROWS
-    return compress_ratio == 4 or (is_decode and rows <= RING_C128_FUSED_DECODE_MAX_BATCH)
+    return True
+
+
+#: Ring c128 rows are pooled by 8 blocks, one per 64-channel slice, and stored by the last of them:
+#: a scratch line per plan row for the pooled values and a counter per plan row, zero between calls
+#: (csrc/fused/fused.cuh, LastSliceStores). The counters, and on the fast path the scratch, live as
+#: long as the plan's rows tensor, shared by the calls on that plan, which run in stream order (each
+#: kernel waits for the one before it). Keyed by id (tensors compare elementwise), checked by identity.
+_SCRATCH: dict[int, dict] = {}
+
+
+def block_units(compress_ratio: int, is_online: bool) -> bool:
+    """Whether the fused kernel pools a row in blocks of one slice each (scratch and row counters)."""
+    return compress_ratio == 128 and not is_online
+
+
+def _kept(plan_rows: torch.Tensor, device) -> dict:
+    key = id(plan_rows)
+    mine = _SCRATCH.get(key)
+    if mine is None or mine["plan_rows"]() is not plan_rows or mine["counts"].device != device:
+        mine = _SCRATCH[key] = {"plan_rows": weakref.ref(plan_rows),
+                                "counts": torch.zeros(plan_rows.shape[0], dtype=torch.int32, device=device)}
+        weakref.finalize(plan_rows, _forget, key, mine)
+    return mine
+
+
+def _forget(key: int, mine: dict) -> None:
+    if _SCRATCH.get(key) is mine:
+        del _SCRATCH[key]
+
+
+def plan_row_counts(plan_rows: torch.Tensor, device) -> torch.Tensor:
+    """The ring c128 kernel's zeroed int32 counters, one per plan row, kept with `plan_rows` (a traced
+    call gets its own)."""
+    if library.tracing():
+        return torch.zeros(plan_rows.shape[0], dtype=torch.int32, device=device)
+    return _kept(plan_rows, device)["counts"]
+
+
+def row_scratch(plan_rows: torch.Tensor, head_dim: int, dtype: torch.dtype, device) -> tuple:
+    """(scratch [plan rows, head_dim] of `dtype`, plan_row_counts) for the fast path's ring c128 calls."""
+    mine = _kept(plan_rows, device)
+    rows = mine.get(dtype)
+    if rows is None or rows.shape[1] != head_dim:
+        rows = mine[dtype] = torch.empty((plan_rows.shape[0], head_dim), dtype=dtype, device=device)
+    return rows, mine["counts"]
 
 
 def kernel(compress_ratio: int, store_format: str, state: str, input: str) -> KernelChoice:
@@ -79,10 +122,10 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
 
     Decode is one kernel launch; prefill is the fused pool-and-store kernel followed by the state-ring
     write pass (this step's ring writes may alias rows the pooling reads, so they must come after it).
-    Where one kernel is the slower path (ring c128 prefill and decode batches above 24, online
-    prefills below 129 plan rows: runs_fused), the call runs the two steps instead, every argument of
-    both checked before the first launch. is_online=True fuses the online c128 compressor instead
-    (online plans, head_dim 512, fp32 rows).
+    Where one kernel is the slower path (online prefills below 129 plan rows: runs_fused), the call
+    runs the two steps instead, every argument of both checked before the first launch.
+    is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
+    Ring c128 calls on one plan share a scratch buffer kept with the plan: run them in stream order.
     """
     if (type(head_dim) is int and type(compress_ratio) is int and type(page_size) is int
             and type(norm_eps) is float and 0.0 < norm_eps < math.inf and not library.tracing()):
@@ -128,7 +171,9 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         if is_online:
             fused_online_op(*args, eps, common.num_q_tokens(plan))
         else:
-            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan))
+            counts = (plan_row_counts(plan[1], kv_score_input.device)
+                      if block_units(compress_ratio, is_online) and kv_score_input.is_cuda else None)
+            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan), counts)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
@@ -157,6 +202,7 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
     """The fast path's call of a resolved signature (ape and the norm weight converted where the
     kernel reads another dtype); it raises, before any launch, what the full path then explains."""
     one_kernel = functools.partial(runs_fused, compress_ratio, is_online, decode)
+    blocks = block_units(compress_ratio, is_online)
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache,
                page_size):
@@ -167,14 +213,19 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
         if weight_dtype is not None:
             norm_weight = norm_weight.to(weight_dtype)
         rows = plan[1]
-        n = rows.shape[0]
-        buffer = None if one_kernel(n) else torch.empty((n, head_dim), dtype=row_dtype, device=kv_score_input.device)
-        if decode:
-            fn(kv_score_buffer, kv_score_input, ape, rows, None, buffer, norm_weight, freq_cis, out_loc, kvcache, None,
-               page_size, norm_eps, -1)
+        if blocks:
+            buffer, counts = row_scratch(rows, head_dim, row_dtype, kv_score_input.device)
+        elif one_kernel(rows.shape[0]):
+            buffer = counts = None
         else:
-            fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, buffer, norm_weight, freq_cis, out_loc,
-               kvcache, None, page_size, norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens)
+            buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
+            counts = None
+        if decode:
+            fn(kv_score_buffer, kv_score_input, ape, rows, None, buffer, counts, norm_weight, freq_cis, out_loc,
+               kvcache, None, page_size, norm_eps, -1)
+        else:
+            fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, buffer, counts, norm_weight, freq_cis,
+               out_loc, kvcache, None, page_size, norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens)
 
     return launch
 
@@ -184,10 +235,11 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
              plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor,
              freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str,
              page_size: int, head_dim: int, compress_ratio: int, is_decode: bool, norm_eps: float,
-             num_q_tokens: int) -> None:
-    """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
+             num_q_tokens: int, row_counts: Optional[torch.Tensor] = None) -> None:
+    """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table).
+    Ring c128 on CUDA: row_counts from plan_row_counts() (zero again after the call)."""
     _run(RING, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens)
+         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, row_counts)
 
 
 @library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache"))
@@ -201,7 +253,7 @@ def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
 
 
 def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens) -> None:
+         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, row_counts=None) -> None:
     is_decode, is_online = plan_w is None, kind is ONLINE
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
                                 kvcache)
@@ -222,9 +274,10 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     status = runtime.status_word(device, words=2)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
+    # the two steps' rows, or the ring c128 kernel's scratch
     one_kernel = runs_fused(compress_ratio, is_online, is_decode, plan_rows.shape[0])
-    rows = None if one_kernel else torch.empty((plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype),
-                                               device=device)
-    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, norm_weight, freq, out_loc, kvcache, status,
-       page_size, norm_eps, num_q_tokens)
+    rows = None if one_kernel and not block_units(compress_ratio, is_online) else torch.empty(
+        (plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype), device=device)
+    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, row_counts, norm_weight, freq, out_loc, kvcache,
+       status, page_size, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params, DESCRIBE)

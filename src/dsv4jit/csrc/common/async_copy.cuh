@@ -1,5 +1,5 @@
 // Asynchronous global -> shared copies (cp.async, sm_80+): a prefetch that holds no registers
-// while the kernel's main loads are in flight.
+// while the kernel's main loads are in flight; and L2 prefetches, for loads another block makes.
 #pragma once
 
 #include <cstdint>
@@ -18,5 +18,8 @@ DSV4_DEV void cp_async(void* smem, const void* gmem) {
 
 /// Waits for every cp.async this thread issued (other threads' copies need a barrier after).
 DSV4_DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+/// Brings the 128-byte line holding `gmem` into L2 (no register, nothing to wait for).
+DSV4_DEV void prefetch_l2(const void* gmem) { asm volatile("prefetch.global.L2 [%0];" ::"l"(gmem)); }
 
 }  // namespace dsv4

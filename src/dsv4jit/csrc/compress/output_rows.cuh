@@ -18,6 +18,7 @@ template <typename Params, typename OutT, int kHeadDim, int kMergeWarpsOfUnit = 
 struct OutputRows {
   static constexpr int kMergeWarps = kMergeWarpsOfUnit;
   static constexpr bool kHoldersOnly = true;
+  static constexpr bool kTakesIdleRows = true;  // decode rows off a boundary are zero-filled
   const Params& p;
 
   template <typename Lane>

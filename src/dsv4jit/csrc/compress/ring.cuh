@@ -300,11 +300,23 @@ struct Kernels {
     // Off boundary most of a c128 unit's warps have nothing to do: they leave at once rather than
     // hold the block's slot through the others' stores (the block's life is the plan round trip).
     if (Sink::kHoldersOnly && !pooled && !last_warp && lane.warp_in_unit >= M) return;
+    // A sink that takes no row off a boundary (the store step: the row is not stored) leaves the
+    // token's warp alone. The same for every block of a row, so a cluster's blocks leave without
+    // waiting for each other.
+    const bool idle = !Sink::kTakesIdleRows && !boundary && plan.seq_len % kRatio != 0;
+    if (idle && !last_warp) return;
     if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kWriteLocOutOfRange);
       return;
     }
+    if (idle) {
+      store_state_row(p, token, plan.write_loc, lane.channel);
+      return;
+    }
     sink.prepare(lane);
+    if constexpr (requires { sink.at_boundary(lane, plan.seq_len); }) {
+      if (boundary) sink.at_boundary(lane, plan.seq_len);
+    }
     // No load may move above a store (they might alias). Off boundary nothing is loaded, so the token
     // store goes at once; at a boundary it goes after the window loads, which then all leave together.
     if (last_warp && !pooled) store_state_row(p, token, plan.write_loc, lane.channel);

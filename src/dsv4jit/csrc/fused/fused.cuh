@@ -3,31 +3,28 @@
 // Same arithmetic as compress_forward (output dtype = input dtype) followed by
 // compress_norm_rope_store: the caches and states are byte-identical to the two-step path.
 //
-// A pooled row is spread over the units of its channel slices (compress/ring.cuh, compress/online.cuh), and
-// each unit stores its own slice; the units of a row share only the chunk partials of the row's
-// sum of squares (store/rms.cuh's canonical order, 32 x chunks values):
+// A pooled row is spread over the units of its channel slices (compress/ring.cuh, compress/online.cuh):
 //   one-warp units (c4, online decode): a warp holds one 128-channel chunk of the store layout
-//             (lane l: channels 128k + 4l..); the row's warps (4 for hd512, 1 for hd128) share
-//             partials through shared memory
-//   block units (ring c128 decode): a block holds one 64-dim tile (lane l: 2 channels); the
-//             row's 8 blocks form a thread-block cluster and share partials through distributed
-//             shared memory
+//             (lane l: channels 128k + 4l..) and stores it; the row's warps (4 for hd512, 1 for
+//             hd128) share the chunk partials of the row's sum of squares (store/rms.cuh's
+//             canonical order, 32 x chunks values) through shared memory. The norm weight and
+//             rope values are prefetched with cp.async as soon as the plan row is read,
+//             overlapping the window loads.
+//   block units (ring c128): a block pools one 64-channel slice of a row and writes it to the
+//             row's line of a scratch buffer; the last of the row's 8 blocks to finish (a counter
+//             per row) stores the row with the store kernel's own row step. No block waits for
+//             another, which a thread-block cluster sharing the partials made them do.
 //   slices in turn (online prefill): one block pools a row's 8 slices one after another, gathers
 //             the row in shared memory and stores it as one-warp chunks
-// The norm weight and rope values are prefetched with cp.async as soon as the plan row is read,
-// overlapping the window loads.
 //
 // Prefill is this kernel followed by the compressor's write pass in stream order: this step's
 // state writes may alias rows that the pooling still reads (a request ring, an online state row).
-// Where one kernel measured slower than the two steps (ring c128 prefill and large decode batches,
-// online prefills of few rows), the op passes a buffer for the compressed rows and the entry runs
-// the two steps instead: the same checks, then the compressor's kernels and the store kernel.
+// Where one kernel measured slower than the two steps (online prefills of few rows: ops/fused.py),
+// the op passes a buffer for the compressed rows and the entry runs the two steps instead: the
+// same checks, then the compressor's kernels and the store kernel.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include "common/async_copy.cuh"
-#include "common/cluster.cuh"
 #include "compress/ring.cuh"
 #include "compress/online.cuh"
 #include "store/indexer_codec.cuh"
@@ -41,7 +38,6 @@
 
 namespace dsv4::fused {
 
-namespace cg = cooperative_groups;
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
@@ -49,6 +45,8 @@ template <typename CompressParams>
 struct Params {
   CompressParams c;
   store::Params s;
+  void* rows;            // block units: [rows, hd] scratch of the pooled rows (s.kv reads it back)
+  int32_t* row_counts;   // block units: the slices counted per row, zero between calls
 };
 
 /// The store step behind a pool pass whose units hold C channels per lane, kWarpsPerUnit warps
@@ -59,15 +57,11 @@ struct StoreStep {
   static constexpr int kHeadDim = L::kHeadDim;
   static constexpr int kUnitChannels = kWarpSize * C;
   static constexpr int kSlices = kHeadDim / kUnitChannels;
-  static constexpr bool kCluster = kWarpsPerUnit > 1;  // a row's slices are separate blocks
-  static constexpr int kRowsPerBlock = kCluster ? 1 : kUnitsPerBlock / kSlices;
+  static constexpr int kRowsPerBlock = kUnitsPerBlock / kSlices;
   static constexpr int kChunks = L::kChunks;
-  static_assert(kCluster ? kUnitChannels == 64 && kSlices <= 8 && kUnitsPerBlock == 1
-                         : kUnitChannels == 128 && kUnitsPerBlock % kSlices == 0,
-                "a one-warp unit holds a store chunk; a block unit a tile, and a row fits a portable cluster");
+  static_assert(kWarpsPerUnit == 1 && kUnitChannels == 128 && kUnitsPerBlock % kSlices == 0,
+                "a one-warp unit holds a store chunk");
   static_assert(kSlices == 1 || kRowsPerBlock == 1, "rows spread over warps own their block (uniform exits)");
-  static_assert(!kCluster || !L::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
-  static constexpr unsigned kClusterDim = kCluster ? kSlices : 1;
 
   struct Shared {
     float partials[kRowsPerBlock][kChunks][kWarpSize];  // [chunk][lane of the store layout]
@@ -76,11 +70,12 @@ struct StoreStep {
   };
 
   /// The sink the pool passes hand pooled rows to: every unit stores its own slice of the row.
-  /// One warp of a unit holds its pooled values (a lane's C channels, the store layout), and
-  /// every thread reaches emit(): the row's warps or blocks exchange partials there.
+  /// A unit's warp holds its pooled values (a lane's C channels, the store layout), and every
+  /// thread reaches emit(): the row's warps exchange partials there.
   struct Sink {
     static constexpr int kMergeWarps = 1;
     static constexpr bool kHoldersOnly = false;
+    static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
     const store::Params& p;
     Shared& sh;
     int64_t loc = 0, position = 0;
@@ -90,7 +85,6 @@ struct StoreStep {
 
     template <typename Lane>
     DSV4_DEV void prepare(const Lane& lane) {
-      if constexpr (kCluster) cluster_arrive_relaxed();  // phase 0: this block has started
       if (lane.warp_in_unit != 0) return;
       // Branch on plan values only: the out_loc load stays in flight, next to the window loads.
       stores = store::select<kWarpSize>(p, lane.row, loc, position);
@@ -115,22 +109,7 @@ struct StoreStep {
       float x[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) x[c] = to_f32(from_f32<InT>(v[c]));  // as the two-step path reads it back
-      if constexpr (kCluster) {
-        // Chunk k's partial for store lane 16·(slice % 2) + j spans lanes 2j and 2j+1 here: lane
-        // 2j+1 continues lane 2j's fma chain, then publishes it to every block of the cluster.
-        const float pair = __fmaf_rn(x[1], x[1], __fmaf_rn(x[0], x[0], 0.0f));
-        const float carried = __shfl_up_sync(kFullMask, pair, 1);
-        const float partial = __fmaf_rn(x[1], x[1], __fmaf_rn(x[0], x[0], carried));
-        cluster_wait();  // phase 0: every block of the cluster has started
-        if (holds && stores && (l & 1)) {
-          float* dst = &sh.partials[0][slice / 2][16 * (slice % 2) + l / 2];
-#pragma unroll
-          for (int q = 0; q < kSlices; ++q) *cg::this_cluster().map_shared_rank(dst, q) = partial;
-        }
-        cluster_arrive_release();
-        if (!holds || !stores) return;  // uniform over the cluster: nobody writes into a block that left
-        cluster_wait();  // phase 1: every partial has landed
-      } else if constexpr (kSlices > 1) {
+      if constexpr (kSlices > 1) {
         if (holds) sh.partials[r][slice][l] = store::chunk_partial(x);
         __syncthreads();
         if (!stores) return;
@@ -151,12 +130,8 @@ struct StoreStep {
         f[c] = rope_channel(lane) >= 0 ? sh.freq[r][rope_channel(lane) + c] : 0.0f;
       }
       const float scale = store::rms_scale<F>(p, total);
-      if constexpr (kCluster) {
-        store::store_tile<F>(store::slot_at<F>(p, loc), slice, x, w, scale, f, l);
-      } else {
-        store::normalize_group<F>(l + kWarpSize * slice, x, w, scale, f);
-        store_chunk(store::slot_at<F>(p, loc), slice, x, l);
-      }
+      store::normalize_group<F>(l + kWarpSize * slice, x, w, scale, f);
+      store_chunk(store::slot_at<F>(p, loc), slice, x, l);
     }
 
     /// Quantizes a normalized chunk k of the 32-lane layout and stores it (with its scales) in `slot`.
@@ -170,6 +145,76 @@ struct StoreStep {
       }
     }
   };
+
+  template <typename P>
+  static DSV4_DEV Sink sink(const P& p, Shared& sh) {
+    return {p.s, sh};
+  }
+};
+
+/// The store step behind the ring c128 passes, whose units are blocks that each pool one 64-channel
+/// slice of a row (merged by one warp). A slice block writes its values, as the two-step path
+/// stores them (InT), to the row's line of the scratch buffer and counts itself in the row's
+/// counter; the block that completes the count reads the row back and stores it with the store
+/// kernel's row step (store/store.cuh), so the cache bytes are the two-step path's by construction.
+/// Every block of a row counts itself or none does (they all read the same plan row), and the last
+/// one zeroes the count, so the counters are zero between calls; the next call on them (and on the
+/// scratch) waits for this one (pdl_wait_upstream before any access).
+template <typename InT, store::Format F, bool kPDL, int kSlices>
+struct LastSliceStores {
+  using RowStore = store::Kernel<InT, F, kPDL, kWarpSize>;
+  static constexpr int kHeadDim = store::Layout<F>::kHeadDim;
+  static_assert(!store::Layout<F>::kIndexer, "ring c128 rows are V4 rows");
+  struct Shared {};
+
+  struct Sink {
+    static constexpr int kMergeWarps = 1;
+    static constexpr bool kHoldersOnly = true;
+    static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
+    const store::Params& p;
+    InT* rows;
+    int32_t* row_counts;
+
+    template <typename Lane>
+    DSV4_DEV void prepare(const Lane&) {}  // the row store loads its own operands
+
+    /// A decode row at a boundary: one thread of the row brings the out_loc entry and the rope row
+    /// its last block's store reads into L2 while the window loads, off that block's chain.
+    template <typename Lane>
+    DSV4_DEV void at_boundary(const Lane& lane, uint32_t seq_len) {
+      if (lane.channel != 0 || lane.warp_in_unit != 0) return;
+      prefetch_l2(static_cast<const char*>(p.out_loc) + uint64_t{lane.row} * (p.loc64 ? 8 : 4));
+      const int64_t position = int64_t{seq_len} - p.ratio;
+      if (!store::position_ok(p, position)) return;
+      const float* rope = p.freq + position * store::kRopeDim;
+      prefetch_l2(rope);
+      prefetch_l2(rope + store::kRopeDim / 2);  // the table's 256-byte rows span two lines
+    }
+
+    template <typename Lane, int C>
+    DSV4_DEV void emit(const Lane& lane, bool holds, const float (&v)[C]) {
+      if (!holds) return;  // all of the merging warp holds its slice
+      const int l = threadIdx.x % kWarpSize;
+      Vec<InT, C> out;
+#pragma unroll
+      for (int c = 0; c < C; ++c) out[c] = from_f32<InT>(v[c]);
+      store_vec(rows + uint64_t{lane.row} * kHeadDim + lane.channel, out);
+      __threadfence();  // the slice is visible before it is counted
+      __syncwarp();
+      int before = 0;
+      if (l == 0) before = atomicAdd(row_counts + lane.row, 1);
+      before = __shfl_sync(kFullMask, before, 0);
+      if (before != kSlices - 1) return;
+      if (l == 0) row_counts[lane.row] = 0;  // the row's blocks are done with it: zero for the next call
+      __threadfence();  // the other slices are read after their counts
+      RowStore::store_v4_row(p, lane.row, l);
+    }
+  };
+
+  template <typename P>
+  static DSV4_DEV Sink sink(const P& p, Shared&) {
+    return {p.s, static_cast<InT*>(p.rows), p.row_counts};
+  }
 };
 
 /// A pool pass with the store step as its sink. Pass: the compressor's parameters (Params),
@@ -178,7 +223,7 @@ template <typename Pass>
 __global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void pool_and_store_kernel(
     const __grid_constant__ Params<typename Pass::Params> p) {
   __shared__ typename Pass::Step::Shared sh;
-  typename Pass::Step::Sink sink{p.s, sh};
+  auto sink = Pass::Step::sink(p, sh);
   Pass::pool(p.c, sink);
 }
 
@@ -226,7 +271,7 @@ DSV4_DEV void pool_slices_in_turn(Sink& sink, PoolSlice pool_slice) {
 }
 
 /// The ring compressor's passes (compress/ring.cuh): c4 and c128, prefill pool or decode. A c128 row
-/// spans 8 slice units: a cluster of 8 blocks.
+/// spans 8 slice units, blocks of their own (LastSliceStores).
 template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode>
 struct RingPass {
   static constexpr int kHeadDim = store::Layout<F>::kHeadDim;
@@ -234,7 +279,9 @@ struct RingPass {
   using K = typename Compressor::K;
   using W = typename K::W;
   using Params = compress::Params;
-  using Step = StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>;
+  static constexpr bool kBlockUnits = W::kWarpsPerUnit > 1;
+  using Step = std::conditional_t<kBlockUnits, LastSliceStores<InT, F, kPDL, W::kSlices>,
+                                  StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>>;
   static constexpr int kThreads = K::kThreads;
   // A c4 prefill warp's store tail holds its registers with no load in flight. For V4 rows (4
   // warps that exchange partials) 6 blocks per SM (80 registers, 48 bytes of spills) keep more
@@ -243,7 +290,7 @@ struct RingPass {
   static constexpr int kMinBlocks = kRatio == 4 && !kDecode && kHeadDim == 512 ? 6 : K::kMinBlocks;
 
   static LaunchShape shape(uint32_t rows) {
-    return {Compressor::blocks(rows, K::kUnitsPerBlock), kThreads, 0, Step::kClusterDim};
+    return {Compressor::blocks(rows, K::kUnitsPerBlock), kThreads};
   }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
@@ -266,6 +313,7 @@ template <typename Pass>
 struct PoolLaunch {
   using Compressor = typename Pass::Compressor;
   using Params = typename Pass::Params;
+  static constexpr bool kBlockUnits = Pass::kBlockUnits;
   template <typename P>
   static void run(const char* op, DLDevice dev, bool pdl, const P& p) {
     launch(op, dev, Pass::shape(p.c.num_rows), pdl, pool_and_store_kernel<Pass>, p);
@@ -281,6 +329,7 @@ struct OnlinePass {
   using Compressor = online::Online<kHeadDim, BufferT, kPDL>;
   using K = typename Compressor::K;
   using Params = online::Params;
+  static constexpr bool kBlockUnits = false;
   using Step = std::conditional_t<kDecode, StoreStep<float, F, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
                                   StoreStep<float, F, 4, 1, kHeadDim / 128>>;
   static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
@@ -300,9 +349,10 @@ struct OnlinePass {
 };
 
 /// The host entry point over a compressor's prefill and decode pass launchers: every tensor of both
-/// steps is checked before any launch. The compressed rows take the store's dtype (InT). With a
-/// `rows` buffer it runs the compressor's own kernels into it and then the store kernel, for the
-/// calls where that measured faster than one fused kernel (the rule: ops/fused.py).
+/// steps is checked before any launch. The compressed rows take the store's dtype (InT). A `rows`
+/// buffer alone asks for the two steps (the compressor's own kernels into it, then the store
+/// kernel), for the calls where that measured faster than one fused kernel (the rule: ops/fused.py);
+/// block-unit passes (ring c128) run one kernel with `rows` as their scratch and `row_counts`.
 template <typename PrefillPass, typename DecodePass, typename InT, store::Format F, bool kPDL, int kRatio>
 struct Entry {
   using Compressor = typename PrefillPass::Compressor;
@@ -317,6 +367,26 @@ struct Entry {
                         int64_t num_q_tokens) {
     p.s = Store::checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, nullptr, page_size, kRatio,
                          is_decode, eps, num_q_tokens);
+  }
+
+  /// Whether one kernel runs (else the two steps into `rows`); fills the block units' scratch.
+  template <typename P>
+  static bool one_kernel(const char* op, Device& dev, P& p, const TensorView* rows,
+                         const Optional<TensorView>& row_counts) {
+    if constexpr (PrefillPass::kBlockUnits) {
+      if (!row_counts.has_value()) return false;
+      expect(rows != nullptr, op, "rows", "a [plan rows, head_dim] scratch buffer beside row_counts", "None");
+      const TensorView& counts = row_counts.value();
+      Check(op, "row_counts", counts).shape({Dim::any()}).dtype(dl::kI32).cuda(dev).contiguous();
+      expect(counts.size(0) >= p.s.rows, op, "row_counts",
+             [&] { return "one entry per plan row (" + std::to_string(p.s.rows) + ")"; }, counts.size(0));
+      p.rows = rows->data_ptr();
+      p.row_counts = static_cast<int32_t*>(counts.data_ptr());
+      return true;
+    } else {
+      expect(!row_counts.has_value(), op, "row_counts", "None (only ring c128 rows are counted)", "a tensor");
+      return rows == nullptr;
+    }
   }
 
   /// Checked mode: the compress violations go to words[0], the store violations to words[1].
@@ -356,18 +426,20 @@ struct Entry {
 
   /// The one entry point of every fused module (bindings by name on the Python side): decode when
   /// plan_w is absent, prefill otherwise; one fused kernel, or with a `rows` buffer [plan rows, hd]
-  /// of InT the two steps (the compressor's kernels into `rows`, then the store kernel).
+  /// of InT and no `row_counts` the two steps (the compressor's kernels into `rows`, then the store
+  /// kernel). Ring c128 runs one kernel with both (one_kernel).
   static void run(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_rows,
-                  Optional<TensorView> plan_w, Optional<TensorView> rows, TensorView norm_weight, TensorView freq,
-                  TensorView out_loc, TensorView kvcache, Optional<TensorView> status, int64_t page_size, double eps,
-                  int64_t num_q_tokens) {
+                  Optional<TensorView> plan_w, Optional<TensorView> rows, Optional<TensorView> row_counts,
+                  TensorView norm_weight, TensorView freq, TensorView out_loc, TensorView kvcache,
+                  Optional<TensorView> status, int64_t page_size, double eps, int64_t num_q_tokens) {
     Device dev;
     const TensorView* buffer = rows.has_value() ? &rows.value() : nullptr;
     if (!plan_w.has_value()) {
       auto p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, buffer, norm_weight, freq,
                              out_loc, kvcache, page_size, eps);
+      const bool fused = one_kernel(kOp, dev, p, buffer, row_counts);
       attach_status(p, status_words(kOp, dev, status, 2));
-      if (buffer == nullptr) {
+      if (fused) {
         DecodePass::run(kOp, dev.dev, kPDL, p);
       } else {
         Compressor::launch_decode(kOp, dev, p.c);
@@ -378,8 +450,9 @@ struct Entry {
     Size rows_w{"plan_w_rows"};
     auto p = prefill_params(kOp, dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w.value(), buffer,
                             norm_weight, freq, out_loc, kvcache, page_size, eps, num_q_tokens);
+    const bool fused = one_kernel(kOp, dev, p, buffer, row_counts);
     attach_status(p, status_words(kOp, dev, status, 2));
-    if (buffer == nullptr) {
+    if (fused) {
       PrefillPass::run(kOp, dev.dev, kPDL, p);
       Compressor::launch_write(kOp, dev, Compressor::write_pass(p.c, rows_w.value));
     } else {

@@ -21,8 +21,8 @@ struct PairParams {
 template <typename PassA, typename PassB>
 __global__ __launch_bounds__(PassA::kThreads, PassA::kMinBlocks) void pair_pool_and_store_kernel(
     const __grid_constant__ PairParams<Params<typename PassA::Params>, Params<typename PassB::Params>> p) {
-  static_assert(PassA::kThreads == PassB::kThreads && PassA::Step::kClusterDim == 1 && PassB::Step::kClusterDim == 1,
-                "the two passes share the block shape, without clusters");
+  static_assert(PassA::kThreads == PassB::kThreads && !PassA::kBlockUnits && !PassB::kBlockUnits,
+                "the two passes share the block shape, one-warp units");
   __shared__ union {
     typename PassA::Step::Shared a;
     typename PassB::Step::Shared b;

@@ -57,16 +57,12 @@ struct Kernel {
   /// Whether group g of some lane holds rope dims.
   static constexpr bool may_rope(int g) { return R::vlane(kLanes - 1, g) >= L::kRopeLane; }
 
-  /// The store of this thread's part of its row (lane j = threadIdx.x % kLanes of row
-  /// blockIdx.x·kRowsPerBlock + threadIdx.x / kLanes), the steps every format shares around its
-  /// codec: loads, selection, RMS scale, normalize and rotate, then `encode(x, j)` of the lane's
-  /// normalized groups and, once the location is checked, `write(slot, j, codes)`.
+  /// The store of lane j's part of plan row `row` (its kLanes lanes call it together), the steps
+  /// every format shares around its codec: loads, selection, RMS scale, normalize and rotate, then
+  /// `encode(x, j)` of the lane's normalized groups and, once the location is checked,
+  /// `write(slot, j, codes)`. The caller has waited for the kernels upstream.
   template <typename Encode, typename Write>
-  static DSV4_DEV void store_row(const Params& p, Encode&& encode, Write&& write) {
-    const int j = threadIdx.x % kLanes;
-    const uint32_t row = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
-    pdl_wait_upstream<kPDL>();
-    if constexpr (kEarlyDependents) pdl_launch_dependents<kPDL>();
+  static DSV4_DEV void store_row(const Params& p, uint32_t row, int j, Encode&& encode, Write&& write) {
     // The row and the weight do not depend on the plan: their loads go out first, in parallel
     // with the plan -> out_loc -> rope-table chain. Whole warps stay together to the end (their
     // reductions shuffle over the full mask): a row that is not stored runs along (rows past the
@@ -120,10 +116,11 @@ struct Kernel {
     V4Dims<4> chunk[kGroups];
   };
 
-  /// A V4 row (a warp): each 128-channel chunk as bf16, or e4m3 with its tiles' scales.
-  static DSV4_DEV void store_v4_row(const Params& p) {
+  /// A V4 row (a warp, lane j): each 128-channel chunk as bf16, or e4m3 with its tiles' scales. Also
+  /// the ring c128 fused kernels' store of a row (fused/fused.cuh).
+  static DSV4_DEV void store_v4_row(const Params& p, uint32_t row, int j) {
     store_row(
-        p,
+        p, row, j,
         [](float (&x)[kGroups][4], int j) {
           V4Chunks out;
 #pragma unroll
@@ -138,22 +135,32 @@ struct Kernel {
 
   /// An indexer row (several a warp): its Hadamard transform, coded (`fp4`: the e2m1 codec).
   template <typename Fp4Codec>
-  static DSV4_DEV void store_indexer_row(const Params& p, const Fp4Codec& fp4) {
+  static DSV4_DEV void store_indexer_row(const Params& p, uint32_t row, int j, const Fp4Codec& fp4) {
     store_row(
-        p, [&](float (&x)[kGroups][4], int j) { return encode_indexer<F, kLanes>(x, j, fp4); },
+        p, row, j, [&](float (&x)[kGroups][4], int j) { return encode_indexer<F, kLanes>(x, j, fp4); },
         [](const Slot& slot, int j, const IndexerCodes<kLanes>& codes) { write_indexer<F, kLanes>(slot, j, codes); });
   }
 
+  /// Lane threadIdx.x % kLanes of row blockIdx.x·kRowsPerBlock + threadIdx.x / kLanes.
   static DSV4_DEV void run(const Params& p) {
+    const int j = threadIdx.x % kLanes;
+    const uint32_t row = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;
     if constexpr (L::kIndexer) {
       __shared__ std::conditional_t<kFp4Table, Fp4WarpTable, Fp4ByRule> fp4_codecs[kFp4Table ? kWarps : 1];
       auto& fp4 = fp4_codecs[kFp4Table ? threadIdx.x / kWarpSize : 0];
-      fp4.fill();
-      store_indexer_row(p, fp4);
+      fp4.fill();  // the table copy overlaps the wait for upstream
+      wait_upstream();
+      store_indexer_row(p, row, j, fp4);
       fp4.wait();  // no copy lands after its warp has left, also when the warp coded nothing
     } else {
-      store_v4_row(p);
+      wait_upstream();
+      store_v4_row(p, row, j);
     }
+  }
+
+  static DSV4_DEV void wait_upstream() {
+    pdl_wait_upstream<kPDL>();
+    if constexpr (kEarlyDependents) pdl_launch_dependents<kPDL>();
   }
 };
 
