@@ -202,10 +202,10 @@ def fused_entries(monkeypatch) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
-def test_ring_calls_run_one_kernel(device, monkeypatch):
-    """Every ring call runs the fused kernel: c128 at any batch, in decode (every request at a
-    boundary, one, none) and prefill, as c4. The states and caches equal the public two-step ops'
-    bit for bit."""
+def test_ring_decode_runs_one_kernel(device, monkeypatch):
+    """Ring decode calls run the fused kernel, c128 at any batch (every request at a boundary, one,
+    none), c4 also in prefill; ring c128 prefill the two-step entry. The states and caches equal the
+    public two-step ops' bit for bit."""
     calls = fused_entries(monkeypatch)
     n = 40
     tw = Twin(device, C128_128, "v4_fp8", num_reqs=n + 1, seed=5, num_locs=8 * 1024)
@@ -217,8 +217,8 @@ def test_ring_calls_run_one_kernel(device, monkeypatch):
     c4 = Twin(device, C4_PAGED_8, "v4_fp8", num_reqs=n + 1, seed=6)
     c4.prefill(list(range(n + 1)), [9 + r % 4 for r in range(n + 1)])
     c4.decode(list(range(n + 1)))
-    assert calls == [("fused", "prefill"), ("fused", "decode"), ("fused", "prefill"), ("fused", "decode"),
-                     ("fused", "decode"), ("fused", "prefill"), ("fused", "decode")]
+    assert calls == [("fused", "prefill_two_step"), ("fused", "decode"), ("fused", "prefill_two_step"),
+                     ("fused", "decode"), ("fused", "decode"), ("fused", "prefill"), ("fused", "decode")]
     assert tw.stored_steps == 3 and c4.stored_steps == 2
 
 

@@ -34,9 +34,10 @@ _TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis
 DESCRIBE = ("describe_compress_status", "describe_store_status")
 
 #: Where one fused kernel measured slower than the two steps, the op runs the two steps itself, from
-#: the same entry point, which checks both first (docs/performance.md, "One kernel or two steps").
-#: Online prefill pools each segment row in one block: it pays from this many plan rows, where
-#: fewer would leave SMs idle that the compressor's 8 blocks per row keep busy.
+#: the same entry point, which checks both first (docs/performance.md, "One kernel or two steps"):
+#: ring c128 prefill (its rows' stores wait on the last of 8 slice blocks, where the store kernel
+#: runs them all at once), and online prefill below this many plan rows (it pools each segment row
+#: in one block, which leaves SMs idle that the compressor's 8 blocks per row keep busy).
 ONLINE_FUSED_PREFILL_MIN_ROWS = 129
 
 
@@ -45,7 +46,7 @@ def runs_fused(compress_ratio: int, is_online: bool, is_decode: bool, rows: int)
     steps, byte-identical either way)."""
     if is_online:
         return is_decode or rows >= ONLINE_FUSED_PREFILL_MIN_ROWS
-    return True
+    return compress_ratio == 4 or is_decode
 
 
 #: Ring c128 rows are pooled by 8 blocks, one per 64-channel slice, and stored by the last of them:
@@ -122,8 +123,9 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
 
     Decode is one kernel launch; prefill is the fused pool-and-store kernel followed by the state-ring
     write pass (this step's ring writes may alias rows the pooling reads, so they must come after it).
-    Where one kernel is the slower path (online prefills below 129 plan rows: runs_fused), the call
-    runs the two steps instead, every argument of both checked before the first launch.
+    Where one kernel is the slower path (ring c128 prefill, online prefills below 129 plan rows:
+    runs_fused), the call runs the two steps instead, every argument of both checked before the first
+    launch.
     is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
     Ring c128 calls on one plan share a scratch buffer kept with the plan: run them in stream order.
     """
@@ -171,8 +173,8 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         if is_online:
             fused_online_op(*args, eps, common.num_q_tokens(plan))
         else:
-            counts = (plan_row_counts(plan[1], kv_score_input.device)
-                      if block_units(compress_ratio, is_online) and kv_score_input.is_cuda else None)
+            counts = (plan_row_counts(plan[1], kv_score_input.device) if block_units(compress_ratio, is_online)
+                      and plan.is_decode and kv_score_input.is_cuda else None)
             fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan), counts)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
@@ -213,13 +215,13 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
         if weight_dtype is not None:
             norm_weight = norm_weight.to(weight_dtype)
         rows = plan[1]
-        if blocks:
-            buffer, counts = row_scratch(rows, head_dim, row_dtype, kv_score_input.device)
-        elif one_kernel(rows.shape[0]):
-            buffer = counts = None
-        else:
+        if not one_kernel(rows.shape[0]):
             buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
             counts = None
+        elif blocks:
+            buffer, counts = row_scratch(rows, head_dim, row_dtype, kv_score_input.device)
+        else:
+            buffer = counts = None
         if decode:
             fn(kv_score_buffer, kv_score_input, ape, rows, None, buffer, counts, norm_weight, freq_cis, out_loc,
                kvcache, None, page_size, norm_eps, -1)
@@ -278,6 +280,7 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     one_kernel = runs_fused(compress_ratio, is_online, is_decode, plan_rows.shape[0])
     rows = None if one_kernel and not block_units(compress_ratio, is_online) else torch.empty(
         (plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype), device=device)
+    row_counts = row_counts if one_kernel else None
     fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, row_counts, norm_weight, freq, out_loc, kvcache,
        status, page_size, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params, DESCRIBE)
