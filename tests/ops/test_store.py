@@ -5,9 +5,9 @@ Every test runs on "cpu" (the torch reference backend; also exercises the test l
 (the kernel; skipped without a GPU), except the few that only make sense with a GPU.
 
 Expected bytes: the torch reference (``dsv4jit.reference.store``, validated on its own by
-tests/test_reference_store.py) run on CPU copies of the same inputs into an identically poisoned
-cache. The device cache is compared with it (on "cpu" the public op is that reference, so there the
-poison and fp64 checks alone apply: ``reference_for``):
+tests/reference/test_reference_store.py) run on CPU copies of the same inputs into an identically
+poisoned cache. The device cache is compared with it (on "cpu" the public op is that reference, so
+there the poison and fp64 checks alone apply: ``reference_for``):
 
 * bytes outside the spans contract §6.5 gives each stored token (other slots, skipped / invalid rows, V4
   scale byte 7, V4 page padding) keep the 0xAB poison, in both caches;
@@ -49,7 +49,7 @@ from dsv4jit.plan_layout import (
 )
 from dsv4jit.reference import store as ref_store
 from dsv4jit.reference.quant import fp4_encode, ue8m0_exponent
-from pool_utils import SWA_PAGE, random_batch, random_pool
+from helpers.pool_utils import SWA_PAGE, random_batch, random_pool
 
 POISON = 0xAB
 EPS = 1e-6
