@@ -9,13 +9,13 @@
   ``--version`` like the real one and then execs the real compiler, sleeps, fails, or copies the
   prebuilt module (a fast stand-in for a compile, for tests about the protocol rather than nvcc).
 * ``host_planner`` is the CPU planner's entry in the cache the CPU tests share (built there once if
-  missing); ``copy_entry(cache_dir, entry)`` copies such an entry into a test's own cache, so that a
-  test needing it there does not compile it again.
+  missing); ``helpers.jit_env.copy_entry(cache_dir, entry)`` copies such an entry into a test's own
+  cache, so that a test needing it there does not compile it again.
 * Tests marked ``compile`` are skipped, with the reason shown, when no real nvcc exists; tests marked
   ``full`` (the whole serving set, minutes of nvcc; the README's tested versions against the
   environment) run only with ``--full``, as CI runs the suite.
-* Skips are summarized one line per reason (``skip_summary.py``), and what tests measured for a
-  person (``record_property("measured", text)``) is printed after the run (``measured.py``).
+* Skips are summarized one line per reason (``helpers/skip_summary.py``), and what tests measured
+  for a person (``record_property("measured", text)``) is printed after the run (``helpers/measured.py``).
 """
 
 from __future__ import annotations
@@ -29,30 +29,14 @@ from pathlib import Path
 
 import pytest
 
-from dsv4jit.errors import DSV4JITToolchainError
-from dsv4jit.jit import cache, loader, toolchain
+from dsv4jit.jit import loader, toolchain
 from dsv4jit.jit.toolchain import Arch
+from helpers.jit_env import ARCH_TEXT, DEFAULT_VERSION, NO_NVCC_REASON, REAL_NVCC
 
-ARCH_TEXT = "9.0a"
-SELFTEST_ID = "selftest[dtype=fp32,pdl=1]"
-
-
-def _find_real_nvcc() -> tuple[str | None, str]:
-    """The toolkit's nvcc, found as the package finds it (jit/toolchain.py: DSV4JIT_NVCC, CUDA_HOME,
-    CUDA_PATH, PATH, /usr/local/cuda, resolved through wrappers); else None and why."""
-    try:
-        return str(toolchain.toolchain(need_cuda=True).nvcc), ""
-    except DSV4JITToolchainError as e:
-        return None, f"needs the CUDA compiler: {e}"
-    finally:
-        toolchain.reset()
-
-
-REAL_NVCC, NO_NVCC_REASON = _find_real_nvcc()
 FULL_REASON = ("in the full suite only (CI's: the serving set compiled for sm_90a and sm_100a, minutes; the tested "
                "versions): add --full")
 
-pytest_plugins = ["pytester", "skip_summary", "measured"]
+pytest_plugins = ["pytester", "helpers.skip_summary", "helpers.measured"]
 
 
 def pytest_addoption(parser):
@@ -149,13 +133,6 @@ def host_planner() -> Path:
     return entry
 
 
-def copy_entry(root: Path, entry: Path) -> Path:
-    """A copy of a cache entry in another cache root, at the same place (v1/<arch>/<kernel>/<entry>)."""
-    copy = root / entry.relative_to(entry.parents[3])
-    shutil.copytree(entry, copy)
-    return copy
-
-
 @pytest.fixture
 def warm_cache(prebuilt, cache_dir) -> Prebuilt:
     """This test's cache dir seeded with the prebuilt selftest entry (a copy, so tests may change it)."""
@@ -178,10 +155,6 @@ def no_toolchain(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda p, mode, *a, **kw: False if str(p).startswith("/usr/local/cuda/")
                         else real_access(p, mode, *a, **kw))
     return bin_dir
-
-
-DEFAULT_VERSION = ("nvcc: NVIDIA (R) Cuda compiler driver\n"
-                   "Cuda compilation tools, release 13.0, V13.0.88 (fake)")
 
 
 @pytest.fixture
@@ -241,13 +214,3 @@ def fake_nvcc(tmp_path):
         return nvcc
 
     return make
-
-
-def entries_on_disk(root: Path) -> list[Path]:
-    """Complete entries (folders with a manifest) under a cache root."""
-    found = root.glob(f"v{cache.SCHEMA}/*/*/*/manifest.json")
-    return sorted(p.parent for p in found if not p.parent.name.startswith("."))
-
-
-def stages_on_disk(root: Path) -> list[Path]:
-    return sorted(root.glob(f"v{cache.SCHEMA}/*/*/.stage-*"))

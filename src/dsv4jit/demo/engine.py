@@ -12,7 +12,8 @@ import time
 import torch
 
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
-from .layer import Compressor, CompressorSpec, layer_step, yarn_freq_cis
+from ..reference.store import yarn_freq_cis
+from .layer import Compressor, CompressorSpec, layer_step
 from .pool import SWA_PAGE, PagedPool, Step, out_loc
 
 #: kv_score inputs of one step: [layer][compressor] -> [tokens, last_dim] fp32 (the wkv_gate GEMM output).

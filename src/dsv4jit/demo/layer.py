@@ -7,17 +7,15 @@ the demo calls the ops.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..geometry import ROPE_DIM, page_bytes
+from ..geometry import page_bytes
 from ..ops import compress_and_store, compress_and_store_c4_layer, compress_forward, compress_norm_rope_store
 from .pool import SWA_PAGE, PagedPool
 
 NORM_EPS = 1e-6          # rms_norm_eps
-ROPE_THETA = 40000.0     # compress_rope_theta
 
 
 @dataclass(frozen=True)
@@ -108,18 +106,3 @@ def layer_step(comps: list[Compressor], plan, kv_scores: list[torch.Tensor], out
         return
     for comp, kv_score in zip(comps, kv_scores):
         step(comp, plan, kv_score, out_loc, freq_cis, fused=fused)
-
-
-def yarn_freq_cis(max_pos: int, *, theta: float = ROPE_THETA, factor: float = 16.0, original: int = 65536,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
-    """complex64 ``[max_pos, 32]`` rotations of the 64 rope dims; YaRN-scaled past ``original`` positions."""
-    freqs = 1.0 / theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM)
-    if max_pos > original:
-        def dim_of(rotations: float) -> float:
-            return ROPE_DIM * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), ROPE_DIM - 1)
-        ramp = ((torch.arange(ROPE_DIM // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
-        freqs = freqs / factor * ramp + freqs * (1 - ramp)
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)

@@ -18,9 +18,10 @@ import torch
 from .. import ops
 from ..geometry import page_bytes
 from ..plan import CompressorPrefillPlan
+from ..reference.store import yarn_freq_cis
 from .check import Check, compare_cache
 from .engine import Timer
-from .layer import C128_CORE, NORM_EPS, yarn_freq_cis
+from .layer import C128_CORE, NORM_EPS
 from .pool import PagedPool, out_loc, schedule
 
 HEAD_DIM = C128_CORE.head_dim

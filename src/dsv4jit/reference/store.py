@@ -19,6 +19,7 @@ Everything is computed on the CPU; the cache may live on any device and is mutat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,25 @@ def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"freq_cis must be a 2-D complex tensor, got {freq_cis.dim()}-D {freq_cis.dtype}")
     real = torch.view_as_real(freq_cis.detach().cpu().to(torch.complex64).contiguous())
     return real.flatten(1).contiguous()
+
+
+def yarn_freq_cis(max_pos: int, *, theta: float = 40000.0, factor: float = 16.0, original: int = 65536,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """complex64 ``[max_pos, rope_dim/2]`` RoPE rotations (a ``freq_cis``, contract §6.3): pair k turns by
+    ``theta^(-2k/rope_dim)`` per position. With ``max_pos > original`` they are YaRN-scaled: pairs that
+    turn more than ``beta_fast`` times in ``original`` positions keep their frequency, those turning
+    fewer than ``beta_slow`` times are divided by ``factor``, a linear ramp between. The defaults are
+    DeepSeek-V4's compressed layers'."""
+    freqs = 1.0 / theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM)
+    if max_pos > original:
+        def dim_of(rotations: float) -> float:
+            return ROPE_DIM * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), ROPE_DIM - 1)
+        ramp = ((torch.arange(ROPE_DIM // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
 def rms_norm(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Every DSV4JIT_* variable is parsed strictly (docs/jit.md, section 4): a value outside what it
 accepts is a `DSV4JITSettingError` naming the variable, the value and the accepted values, raised
 where the setting is first used, never a silent default. The command line turns it into one line
-and exit 2 (tests/test_cli.py)."""
+and exit 2 (tests/cli/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from child_process import counted
-from conftest import SELFTEST_ID
 from dsv4jit import cli, env, runtime
 from dsv4jit.errors import DSV4JITCacheError, DSV4JITSettingError, DSV4JITToolchainError
 from dsv4jit.jit import loader, toolchain
+from helpers.child_process import counted
+from helpers.jit_env import SELFTEST_ID
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 

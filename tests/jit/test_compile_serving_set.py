@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from conftest import copy_entry
 from dsv4jit import cli
 from dsv4jit.jit import loader
 from dsv4jit.jit.kernels import SPECS
 from dsv4jit.jit.toolchain import Arch
 from dsv4jit.runtime import serving_variants
+from helpers.jit_env import copy_entry
 
 pytestmark = [pytest.mark.compile, pytest.mark.full, pytest.mark.usefixtures("jit_env")]
 

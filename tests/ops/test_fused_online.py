@@ -6,7 +6,8 @@ and of one paged V4 cache run the same steps (same generate_online plans, same r
 through the two public ops, copy B through the fused op. After every step the state pools and the
 caches must be equal bit for bit. Both caches start from the same random bytes, so a row the fused op
 fails to store (or stores where it must not) shows up; the steps whose two-step path stored a row are
-counted and asserted, so no comparison is vacuous (test_fused.Twin: out_loc, store arguments, compare).
+counted and asserted, so no comparison is vacuous (helpers.fused_twin.Twin: out_loc, store arguments,
+compare).
 
 Histories: chunked prefills of 0/1/37/127/128/129/300 tokens that start and end mid-chunk, then decodes
 through at least one 128-boundary per request; fp32 and bf16 state, V4 fp8 and bf16 stores, page sizes
@@ -27,8 +28,8 @@ from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_s
                      compress_norm_rope_store)
 from dsv4jit.ops import fused as fused_ops
 from dsv4jit.geometry import page_bytes
-from test_compress import C128_128, DEVICES
-from test_fused import CUDA_MARKS, MAX_CTX, Twin, fused_entries
+from helpers.compress_scenario import C128_128, CUDA_MARKS, DEVICES
+from helpers.fused_twin import MAX_CTX, Twin, fused_entries
 
 HD, R = 512, 128
 FORMATS = ["v4_fp8", "v4_bf16"]

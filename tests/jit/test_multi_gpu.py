@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dsv4jit
-from compressor_step import assert_same_result, make_step, run
 from dsv4jit import CompressorDecodePlan, compress_forward
 from dsv4jit.plan_layout import decode_decode_plan, encode_decode_plan
+from helpers.compressor_step import assert_same_result, make_step, run
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

@@ -1,6 +1,6 @@
 """What the README and docs/ state that a test can hold them to: relative links and their anchors
 resolve, the repository files they name exist (scripts, examples, tests), the README's code is an
-excerpt of an example that runs (tests/test_examples.py runs it),
+excerpt of an example that runs (tests/ops/test_examples.py runs it),
 the migration guide's code parses and names only what dsv4jit has, its fallback switch picks
 dsv4jit, the CI row of the tested-versions table is the environment CI runs in, and the
 support-header table of docs/jit.md lists every csrc/common/ header and only names they hold."""
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REAL_NVCC
 from dsv4jit.jit import toolchain
+from helpers.jit_env import REAL_NVCC
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

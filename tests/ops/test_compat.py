@@ -1,7 +1,7 @@
 """The compat_c4 kernels (dsv4jit.compat on CUDA tensors): contract §7, with the checks, precision and
 dtypes of contract §9.2, contract §9.6 and contract §9.10.
 
-Each schedule drives ``Sim`` (tests/test_reference_compat.py) on the GPU: random prefill chunks (any
+Each schedule drives ``Sim`` (helpers/compat_sim.py) on the GPU: random prefill chunks (any
 alignment, first windows, windows that read the state, plans in shuffled order with invalid and
 padding rows) and decode runs, in ring and in paged mode. After every step, on every element:
 * outputs (NaN-poisoned before the call) match the fp64 history oracle (5e-3 for bf16 outputs,
@@ -18,18 +18,11 @@ import random
 
 import pytest
 import torch
-from test_reference_compat import (
-    NAN,
-    Sim,
-    assert_same_bits,
-    i32,
-    legacy_plan,
-    run_schedule,
-)
 
 from dsv4jit import runtime
 from dsv4jit.compat import flash_c4_decode, flash_c4_prefill
 from dsv4jit.reference import compat as ref_compat
+from helpers.compat_sim import NAN, Sim, assert_same_bits, i32, legacy_plan, run_schedule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -6,9 +6,10 @@ caches of both copies must be equal bit for bit. Both caches start from the same
 row the fused op fails to store (or stores where it must not) shows up as a difference, and every
 step asserts that the two-step path did store rows (the comparison is never vacuous).
 
-Scenarios reuse test_compress.Scenario (pools, plans, token rows) over the c4 paged / request-ring /
-legacy and c128 ring / legacy addressing modes, every store format, fp32 and bf16 state and input,
-prefill chunks with unaligned prefixes, decode batches across boundaries, and CUDA-graph replay.
+Scenarios reuse helpers.compress_scenario.Scenario (pools, plans, token rows) through
+helpers.fused_twin.Twin over the c4 paged / request-ring / legacy and c128 ring / legacy addressing
+modes, every store format, fp32 and bf16 state and input, prefill chunks with unaligned prefixes,
+decode batches across boundaries, and CUDA-graph replay.
 On "cpu" the op runs the reference of the two steps (API wiring); on "cuda" the fused kernel.
 """
 
@@ -19,92 +20,8 @@ import torch
 
 from dsv4jit import compress_and_store, compress_forward, compress_norm_rope_store
 from dsv4jit.ops import fused as fused_ops
-from dsv4jit.geometry import page_bytes
-from test_compress import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, DEVICES, HAS_CUDA, Scenario
-
-CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
-PAGE_SIZE = {4: 64, 128: 2}
-FORMAT_HEAD_DIM = {"v4_fp8": 512, "v4_bf16": 512, "indexer_fp8": 128, "indexer_fp4": 128}
-MAX_CTX = 1024
-
-
-class Twin:
-    """One scenario (plans, inputs) driving a two-step copy and a fused copy of state and cache."""
-
-    def __init__(self, device, config, fmt, *, state_dtype=torch.float32, in_dtype=torch.float32, num_reqs=4,
-                 seed=0, num_locs=2 * MAX_CTX):
-        ratio, mode, ring = config
-        hd = FORMAT_HEAD_DIM[fmt]  # the store format fixes head_dim
-        self.sc = Scenario(device, ratio, mode, ring, num_reqs=num_reqs, max_ctx=MAX_CTX, hd=hd,
-                           state_dtype=state_dtype, in_dtype=in_dtype, seed=seed)
-        sc = self.sc
-        self.fmt, self.page_size = fmt, PAGE_SIZE[ratio]
-        self.use_fp4, self.bf16_store = fmt == "indexer_fp4", fmt == "v4_bf16"
-        gen = sc.gen
-        # finite states (the pool's NaN rows would make every pooled value NaN alike)
-        sc.state.copy_(torch.randn(sc.state.shape, generator=gen).to(state_dtype))
-        self.state_b = sc.state.clone()
-        # out_loc covers every token of a prefill step
-        pages = -(-num_locs // self.page_size)
-        self.cache_a = torch.randint(0, 256, (pages, page_bytes(fmt, self.page_size)), generator=gen,
-                                     dtype=torch.uint8).to(sc.device)
-        self.cache_b = self.cache_a.clone()
-        self.locs = torch.randperm(pages * self.page_size, generator=gen)[:num_locs]
-        self.next_loc = 0
-        self.norm_weight = (1 + 0.3 * torch.randn(hd, generator=gen)).to(sc.device)
-        angles = torch.rand(MAX_CTX, 32, generator=gen, dtype=torch.float64) * 6.283
-        self.freq_cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(sc.device)
-        self.stored_steps = 0
-
-    def out_loc(self, n: int, dtype=torch.int64) -> torch.Tensor:
-        locs = self.locs[self.next_loc:self.next_loc + n]
-        self.next_loc = (self.next_loc + n) % (self.locs.numel() - n)
-        return locs.to(dtype).to(self.sc.device)
-
-    def store_args(self, out_loc):
-        return dict(norm_weight=self.norm_weight, norm_eps=1e-6, freq_cis=self.freq_cis, out_loc=out_loc,
-                    page_size=self.page_size, use_fp4=self.use_fp4, bf16_store=self.bf16_store)
-
-    def run_both(self, x, plan, out_loc):
-        sc = self.sc
-        before = self.cache_a.clone()
-        kv = compress_forward(sc.state, x, sc.ape, plan, head_dim=sc.hd, compress_ratio=sc.R)
-        compress_norm_rope_store(kv, plan, kvcache=self.cache_a, **self.store_args(out_loc))
-        self.fused(x, plan, out_loc)
-        self.compare(before)
-
-    def fused(self, x, plan, out_loc):
-        sc = self.sc
-        compress_and_store(self.state_b, x, sc.ape, plan, head_dim=sc.hd, compress_ratio=sc.R,
-                           kvcache=self.cache_b, **self.store_args(out_loc))
-
-    def compare(self, before):
-        sc = self.sc
-        assert torch.equal(sc.state.view(torch.uint8), self.state_b.view(torch.uint8)), "states differ"
-        if not torch.equal(self.cache_a, self.cache_b):
-            rows = (self.cache_a != self.cache_b).any(dim=1).nonzero().flatten().tolist()
-            raise AssertionError(f"caches differ on pages {rows[:8]} ({len(rows)} pages)")
-        if not torch.equal(before, self.cache_a):
-            self.stored_steps += 1
-
-    def prefill(self, rids, exts, *, num_q=None, gpu_lengths=False, use_cuda_graph=False, loc_dtype=torch.int64):
-        sc = self.sc
-        n = sum(exts)
-        num_q = n if num_q is None else num_q
-        x = sc.random_rows(num_q)
-        plan = sc.prefill_plan(rids, exts, num_q=num_q, gpu_lengths=gpu_lengths, use_cuda_graph=use_cuda_graph)
-        self.run_both(x, plan, self.out_loc(num_q, loc_dtype))
-        for r, e in zip(rids, exts):
-            sc.lens[r] += e
-
-    def decode(self, rids, loc_dtype=torch.int64):
-        sc = self.sc
-        x = sc.random_rows(len(rids))
-        plan = sc.decode_plan(rids)
-        self.run_both(x, plan, self.out_loc(len(rids), loc_dtype))
-        for r in rids:
-            sc.lens[r] += 1
-
+from helpers.compress_scenario import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, CUDA_MARKS, DEVICES
+from helpers.fused_twin import MAX_CTX, Twin, fused_entries
 
 CONFIG_FORMATS = [
     (C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "v4_bf16"), (C4_PAGED_8, "indexer_fp4"), (C4_PAGED_8, "indexer_fp8"),
@@ -175,30 +92,6 @@ def test_fused_long_random_scenario(device, config_format):
         else:
             tw.decode(rng.sample(room, k=min(len(room), rng.randint(1, 10))), loc_dtype=loc_dtype)
     assert tw.stored_steps >= 10
-
-
-def fused_entries(monkeypatch) -> list[tuple[str, str]]:
-    """The (kernel, path) of every fused-module call from now on (runs_fused's choice): path is
-    decode or prefill, with _two_step where the call passed a buffer for the compressed rows and no
-    row counters (with counters the buffer is the ring c128 kernel's scratch)."""
-    calls, function = [], fused_ops.runtime.function
-
-    def spy(name, entry, *args, **params):
-        fn = function(name, entry, *args, **params)
-        if not name.startswith("fused") or entry != "run":
-            return fn
-
-        def run(*a):
-            plan_w, rows, counts = a[4], a[5], a[6]
-            two_step = rows is not None and counts is None
-            calls.append((name, ("decode" if plan_w is None else "prefill") + ("_two_step" if two_step else "")))
-            return fn(*a)
-
-        return run
-
-    monkeypatch.setattr(fused_ops.runtime, "function", spy)
-    fused_ops.runtime.clear_call_caches()  # launchers made before hold the kernels unobserved
-    return calls
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])

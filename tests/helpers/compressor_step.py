@@ -17,7 +17,7 @@ from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_s
                      compress_norm_rope_store)
 from dsv4jit.plan_layout import decode_compress_plan
 from dsv4jit.geometry import page_bytes, store_format
-from pool_utils import SWA_PAGE, random_batch, random_pool
+from .pool_utils import SWA_PAGE, random_batch, random_pool
 
 EPS = 1e-6
 PAGE_SIZE = {4: 64, 128: 2}  # compressed-cache page sizes of the model (contract §1.6)

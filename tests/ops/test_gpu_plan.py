@@ -8,7 +8,7 @@ import torch
 from dsv4jit import plan_layout, runtime
 from dsv4jit.plan import CompressorDecodePlan, CompressorPrefillPlan
 from dsv4jit.reference import plan as ref
-from pool_utils import planner_inputs, random_pool
+from helpers.pool_utils import planner_inputs, random_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = ROOT / "docs" / "contract.md"
 SCANNED = [ROOT / "src", ROOT / "tests", ROOT / "docs", ROOT / "README.md"]
 TEXT_SUFFIXES = {".py", ".md", ".h", ".cuh", ".sh", ".toml"}

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import dsv4jit
-from compressor_step import EPS, PAGE_SIZE, RING, make_step, planner_inputs
 from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_forward,
                      compress_norm_rope_store)
 from dsv4jit.compat import flash_c4_decode, flash_c4_prefill
 from dsv4jit.plan_layout import decode_write_plan, encode_write_plan
 from dsv4jit.geometry import page_bytes
-from pool_utils import SWA_PAGE
+from helpers.compressor_step import EPS, PAGE_SIZE, RING, make_step, planner_inputs
+from helpers.pool_utils import SWA_PAGE
 
 HD = 128  # the indexer head_dim: the smallest tensors that reach every check
 
@@ -401,7 +401,7 @@ def test_every_entry_point_has_rows_and_a_valid_base_call(name):
     assert any(row[0] == name for row in ROWS)
     entry = ENTRIES[name]
     if name == "warmup":
-        pytest.skip("its valid call compiles kernels; tests/test_warmup.py covers it")
+        pytest.skip("its valid call compiles kernels; tests/jit/test_warmup.py covers it")
     entry.call(**entry.base())
 
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from child_process import CHILD_PRELUDE, PYTHON, counted, wait_for
-from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
 from dsv4jit import cli
 from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss, DSV4JITError, \
     DSV4JITToolchainError
 from dsv4jit.jit import batch, build, cache, loader, toolchain
+from helpers.child_process import CHILD_PRELUDE, PYTHON, counted, wait_for
+from helpers.jit_env import SELFTEST_ID, entries_on_disk, stages_on_disk
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 

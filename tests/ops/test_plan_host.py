@@ -10,7 +10,7 @@ import torch
 from dsv4jit import plan_layout, runtime
 from dsv4jit.plan import CompressorDecodePlan, CompressorPrefillPlan
 from dsv4jit.reference import plan as ref
-from pool_utils import planner_inputs, random_pool
+from helpers.pool_utils import planner_inputs, random_pool
 
 CONFIGS = [(4, 8, False), (4, 16, False), (4, 8, True), (4, 16, True), (128, 128, False), (128, 256, False)]
 

@@ -15,12 +15,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compressor_step import (RING, Step, assert_same_result, fused_pipeline, make_step, pipeline, planner_inputs,
-                             run)
 import dsv4jit.ops  # noqa: F401  (registers every custom op)
 from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_forward, compress_norm_rope_store
 from dsv4jit.geometry import page_bytes
-from pool_utils import SWA_PAGE
+from helpers.compressor_step import (RING, Step, assert_same_result, fused_pipeline, make_step, pipeline,
+                                     planner_inputs, run)
+from helpers.pool_utils import SWA_PAGE
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]

@@ -26,12 +26,12 @@ from pathlib import Path
 import filelock
 import pytest
 
-from child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
-from conftest import SELFTEST_ID, entries_on_disk, stages_on_disk
 from dsv4jit import cli
 from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMiss, DSV4JITLockTimeout
 from dsv4jit.jit import cache, loader, toolchain
 from dsv4jit.jit.toolchain import Arch
+from helpers.child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
+from helpers.jit_env import SELFTEST_ID, entries_on_disk, stages_on_disk
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 

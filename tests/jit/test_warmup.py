@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import dsv4jit
-from conftest import copy_entry
 from dsv4jit import cli, runtime
 from dsv4jit.jit import loader
 from dsv4jit.jit.kernels import SPECS
 from dsv4jit.jit.toolchain import SUPPORTED_ARCHS, Arch
 from dsv4jit.preload import FAMILIES, variants
+from helpers.jit_env import copy_entry
 
 HAS_CUDA = torch.cuda.is_available()
 SM90 = Arch.parse("9.0a")
@@ -159,7 +159,7 @@ def test_gpu_less_warmup_builds_for_an_arch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_after_warmup_the_ops_load_nothing(monkeypatch):
-    from compressor_step import make_step, run
+    from helpers.compressor_step import make_step, run
 
     runtime._FUNCTIONS.clear()
     loader.clear_memo()

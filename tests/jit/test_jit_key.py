@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEFAULT_VERSION, REAL_NVCC
 from dsv4jit.jit import build, cache, loader, toolchain
 from dsv4jit.jit.kernels import SELFTEST, SPECS
 from dsv4jit.jit.registry import Param, KernelSpec, parse_variant_id
 from dsv4jit.jit.toolchain import Arch
+from helpers.jit_env import DEFAULT_VERSION, REAL_NVCC
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_command(tier: str) -> str:
@@ -30,7 +30,8 @@ def test_readme_has_a_default_and_a_full_test_command_and_ci_runs_the_full_one()
 def test_the_default_run_leaves_the_full_tier_out():
     # Run in a child, as a person would; if the tier ran, this would compile for minutes and time out.
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_compile_serving_set.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          "tests/jit/test_compile_serving_set.py"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"^\s+2  in the full suite only \(.*\): add --full$", res.stdout, re.M), res.stdout
     assert "2 skipped" in res.stdout.splitlines()[-1]
@@ -51,7 +52,7 @@ def test_skips_are_counted_per_reason_on_one_line_each(pytester):
 
         def test_d(): pass
     """)
-    result = pytester.runpytest("-p", "skip_summary", "-q")
+    result = pytester.runpytest("-p", "helpers.skip_summary", "-q")
     result.assert_outcomes(passed=1, skipped=5)
     lines = result.outlines
     start = next(i for i, line in enumerate(lines) if "skipped, by reason" in line)
@@ -67,7 +68,7 @@ def test_what_tests_measure_is_printed_after_the_run(pytester):
 
         def test_c(): pass
     """)
-    result = pytester.runpytest("-p", "measured", "-q")
+    result = pytester.runpytest("-p", "helpers.measured", "-q")
     result.assert_outcomes(passed=3)
     lines = result.outlines
     assert lines[0].split() == ["...", "[100%]"]  # the dots alone

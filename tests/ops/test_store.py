@@ -5,9 +5,9 @@ Every test runs on "cpu" (the torch reference backend; also exercises the test l
 (the kernel; skipped without a GPU), except the few that only make sense with a GPU.
 
 Expected bytes: the torch reference (``dsv4jit.reference.store``, validated on its own by
-tests/test_reference_store.py) run on CPU copies of the same inputs into an identically poisoned
-cache. The device cache is compared with it (on "cpu" the public op is that reference, so there the
-poison and fp64 checks alone apply: ``reference_for``):
+tests/reference/test_reference_store.py) run on CPU copies of the same inputs into an identically
+poisoned cache. The device cache is compared with it (on "cpu" the public op is that reference, so
+there the poison and fp64 checks alone apply: ``reference_for``):
 
 * bytes outside the spans contract §6.5 gives each stored token (other slots, skipped / invalid rows, V4
   scale byte 7, V4 page padding) keep the 0xAB poison, in both caches;
@@ -49,7 +49,7 @@ from dsv4jit.plan_layout import (
 )
 from dsv4jit.reference import store as ref_store
 from dsv4jit.reference.quant import fp4_encode, ue8m0_exponent
-from pool_utils import SWA_PAGE, random_batch, random_pool
+from helpers.pool_utils import SWA_PAGE, random_batch, random_pool
 
 POISON = 0xAB
 EPS = 1e-6
@@ -162,22 +162,6 @@ def random_freq_cis(max_pos: int, g: torch.Generator) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def yarn_freq_cis(max_pos: int, *, base: float = 40000.0, factor: float = 16.0, original: int = 256,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
-    """A YaRN-style table (contract §6.3): extrapolated high frequencies, interpolated low ones, a linear ramp."""
-    dim = 64
-    freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-
-    def corr(rot):
-        return dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
-    freqs = freqs / factor * ramp + freqs * (1 - ramp)
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-
-
 def random_rows(n: int, hd: int, g: torch.Generator) -> torch.Tensor:
     """randn rows with per-row scales 10^U(-3, 2) (tiny rows exercise eps); one row has an outlier."""
     scale = 10.0 ** (torch.rand(n, generator=g) * 5 - 3)
@@ -257,7 +241,9 @@ def make_case(fmt: Fmt, kv_dtype: torch.dtype, decode: bool, loc_dtype: torch.dt
     positions = (seq_len[stored] - R).tolist()
     max_pos = max(positions) + 1                      # the last stored position uses the table's last row
     hd = fmt.head_dim
-    freq_cis = yarn_freq_cis(max_pos) if kv_dtype == torch.bfloat16 else random_freq_cis(max_pos, g)
+    # original=256: a table this short is YaRN-scaled too (kept and divided frequencies, as a long context has)
+    freq_cis = (ref_store.yarn_freq_cis(max_pos, theta=40000.0, original=256) if kv_dtype == torch.bfloat16
+                else random_freq_cis(max_pos, g))
     case = Case(fmt, random_rows(n, hd, g).to(kv_dtype), random_weight(hd, g), freq_cis, plan,
                 out_loc.to(loc_dtype), stored.tolist(), locs.tolist(), positions)
     assert len(set(case.locs)) == len(case.locs)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SELFTEST_ID, entries_on_disk
 from dsv4jit import __version__, cli
 from dsv4jit.jit import cache, loader
 from dsv4jit.jit.kernels import SELFTEST
+from helpers.jit_env import SELFTEST_ID, entries_on_disk
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 
