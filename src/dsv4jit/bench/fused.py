@@ -11,6 +11,8 @@ bandwidth; the two-step path additionally writes and reads back the pooled fp32 
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from .. import plan_layout
@@ -67,7 +69,9 @@ class Case:
 
 
 def cases() -> list[tuple]:
-    """(name, ratio, format, seq_lens, extend_lens or None for decode, online)."""
+    """(name, ratio, format, seq_lens, extend_lens or None for decode, online). Decode batches: every
+    request at a boundary, every other one, and for ring c128 random lengths (a real decode step:
+    about one request in 128 at a boundary) and none."""
     out = []
     for ratio, fmt, online in ((4, "v4_fp8", False), (4, "indexer_fp4", False), (128, "v4_fp8", False),
                                (128, "v4_fp8", True)):
@@ -79,6 +83,13 @@ def cases() -> list[tuple]:
                         online))
             out.append((f"decode {tag} B={b} mixed", ratio, fmt, [base + ratio * (i % 8) + i % 2 for i in range(b)],
                         None, online))
+        if ratio == 128 and not online:
+            for b in (1, 32, 128, 1024):
+                rng = random.Random(b)
+                out.append((f"decode {tag} B={b} random", ratio, fmt, [rng.randint(512, 16383) for _ in range(b)],
+                            None, online))
+                out.append((f"decode {tag} B={b} none", ratio, fmt, [513 + 128 * (i % 8) + i % 5 for i in range(b)],
+                            None, online))
         for n in (8192, 32768):
             out.append((f"prefill {tag} 1x{n}", ratio, fmt, [n], [n], online))
     return out
