@@ -126,7 +126,7 @@ def test_ring_c128_calls_share_their_plan_scratch(device):
     plan = tw.sc.decode_plan(rids)
     for _ in range(3):
         tw.run_both(tw.sc.random_rows(n), plan, tw.out_loc(n))
-        counts = fused_ops.plan_row_counts(plan[1], plan[1].device)
+        counts = fused_ops.plan_row_counts(plan[1])
         assert counts.shape == (n,) and not counts.any(), "row counters left non-zero"
     assert tw.stored_steps == 4  # the prefill (the odd requests close a window) and the three calls
 
@@ -260,3 +260,24 @@ def test_c128_stores_v4_rows_only():
                 and v.params["format"] != "v4_bf16"]
     with pytest.raises(ValueError, match="ratio 128"):
         fused.variant(ratio=128, format="indexer_fp4", state="fp32", input="fp32", pdl=True)
+
+
+def test_plan_scratch_lives_with_the_plan_rows():
+    """The ring c128 scratch and counters are made once per plan rows tensor, zeroed, reused by every
+    call on it, and forgotten with it."""
+    import gc
+
+    rows = torch.zeros(5, 16, dtype=torch.uint8)
+    counts = fused_ops.plan_row_counts(rows)
+    assert counts is fused_ops.plan_row_counts(rows) and counts.dtype == torch.int32
+    assert counts.shape == (5,) and not counts.any()
+    scratch, same = fused_ops.row_scratch(rows, 512, torch.float32)
+    assert same is counts and scratch.shape == (5, 512) and scratch.dtype == torch.float32
+    assert fused_ops.row_scratch(rows, 512, torch.float32)[0] is scratch
+    assert fused_ops.row_scratch(rows, 512, torch.bfloat16)[0].dtype == torch.bfloat16
+    assert fused_ops.plan_row_counts(torch.zeros(5, 16, dtype=torch.uint8)) is not counts
+    gc.collect()
+    kept = len(fused_ops._SCRATCH)
+    del rows, counts, scratch, same
+    gc.collect()
+    assert len(fused_ops._SCRATCH) == kept - 1

@@ -62,12 +62,13 @@ def block_units(compress_ratio: int, is_online: bool) -> bool:
     return compress_ratio == 128 and not is_online
 
 
-def _kept(plan_rows: torch.Tensor, device) -> dict:
+def _kept(plan_rows: torch.Tensor) -> dict:
+    """The scratch entry of `plan_rows`: its counters (made on its device) and scratch per dtype."""
     key = id(plan_rows)
     mine = _SCRATCH.get(key)
-    if mine is None or mine["plan_rows"]() is not plan_rows or mine["counts"].device != device:
+    if mine is None or mine["plan_rows"]() is not plan_rows:
         mine = _SCRATCH[key] = {"plan_rows": weakref.ref(plan_rows),
-                                "counts": torch.zeros(plan_rows.shape[0], dtype=torch.int32, device=device)}
+                                "counts": torch.zeros(plan_rows.shape[0], dtype=torch.int32, device=plan_rows.device)}
         weakref.finalize(plan_rows, _forget, key, mine)
     return mine
 
@@ -77,20 +78,20 @@ def _forget(key: int, mine: dict) -> None:
         del _SCRATCH[key]
 
 
-def plan_row_counts(plan_rows: torch.Tensor, device) -> torch.Tensor:
+def plan_row_counts(plan_rows: torch.Tensor) -> torch.Tensor:
     """The ring c128 kernel's zeroed int32 counters, one per plan row, kept with `plan_rows` (a traced
     call gets its own)."""
     if library.tracing():
-        return torch.zeros(plan_rows.shape[0], dtype=torch.int32, device=device)
-    return _kept(plan_rows, device)["counts"]
+        return torch.zeros(plan_rows.shape[0], dtype=torch.int32, device=plan_rows.device)
+    return _kept(plan_rows)["counts"]
 
 
-def row_scratch(plan_rows: torch.Tensor, head_dim: int, dtype: torch.dtype, device) -> tuple:
+def row_scratch(plan_rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple:
     """(scratch [plan rows, head_dim] of `dtype`, plan_row_counts) for the fast path's ring c128 calls."""
-    mine = _kept(plan_rows, device)
+    mine = _kept(plan_rows)
     rows = mine.get(dtype)
     if rows is None or rows.shape[1] != head_dim:
-        rows = mine[dtype] = torch.empty((plan_rows.shape[0], head_dim), dtype=dtype, device=device)
+        rows = mine[dtype] = torch.empty((plan_rows.shape[0], head_dim), dtype=dtype, device=plan_rows.device)
     return rows, mine["counts"]
 
 
@@ -173,7 +174,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         if is_online:
             fused_online_op(*args, eps, common.num_q_tokens(plan))
         else:
-            counts = (plan_row_counts(plan[1], kv_score_input.device) if block_units(compress_ratio, is_online)
+            counts = (plan_row_counts(plan[1]) if block_units(compress_ratio, is_online)
                       and plan.is_decode and kv_score_input.is_cuda else None)
             fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan), counts)
     except (ValueError, TypeError, AttributeError) as e:
@@ -219,7 +220,7 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
             buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
             counts = None
         elif blocks:
-            buffer, counts = row_scratch(rows, head_dim, row_dtype, kv_score_input.device)
+            buffer, counts = row_scratch(rows, head_dim, row_dtype)
         else:
             buffer = counts = None
         if decode:
