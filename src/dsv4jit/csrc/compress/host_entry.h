@@ -32,7 +32,7 @@ const void* plan_rows(const char* op, const char* arg, Device& dev, const tvm::f
 /// rows (the write pass, at most one per input row, in plan_w); a decode's plan[1] DecodePlan rows,
 /// one per request.
 template <typename Derived, typename WriteRow>
-struct CompressorEntry {
+struct CompressorEntryBase {
   using TensorView = tvm::ffi::TensorView;
 
   static auto prefill_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,

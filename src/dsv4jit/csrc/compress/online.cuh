@@ -34,7 +34,7 @@
 #include "unit_lane.cuh"
 #include "window_softmax.cuh"
 
-namespace dsv4::online {
+namespace dsv4::compress::online {
 
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
@@ -254,12 +254,12 @@ __global__ __launch_bounds__(K::kPrefillThreads, K::kPrefillMinBlocks) void pref
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kHeadDim, typename BufferT, bool kPDL>
-struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
+struct OnlineEntry : CompressorEntryBase<OnlineEntry<kHeadDim, BufferT, kPDL>, CompressPlan> {
   using K = Kernels<kHeadDim, BufferT, kPDL>;
   static constexpr const char* kOp = "compress_forward";
   static constexpr int kPrefillSlices = K::PrefillLane::kSlices;
 
-  /// CompressorEntry's checks of the state rows [rows, 1, 3·hd], fp32 input and ape (and `out`);
+  /// CompressorEntryBase's checks of the state rows [rows, 1, 3·hd], fp32 input and ape (and `out`);
   /// `input_rows` and `out_rows` bind the row counts.
   static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
                        const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
@@ -271,7 +271,7 @@ struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
         .aligned();
     Check(op, "ape", ape).shape({kChunk, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
     Params p{};
-    p.out = static_cast<float*>(Online::template output<float>(op, dev, out, kHeadDim, out_rows));
+    p.out = static_cast<float*>(OnlineEntry::template output<float>(op, dev, out, kHeadDim, out_rows));
     p.state = state.data_ptr();
     p.input = static_cast<const float*>(input.data_ptr());
     p.ape = static_cast<const float*>(ape.data_ptr());
@@ -300,4 +300,4 @@ struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
   }
 };
 
-}  // namespace dsv4::online
+}  // namespace dsv4::compress::online

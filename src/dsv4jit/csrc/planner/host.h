@@ -14,7 +14,7 @@
 
 namespace dsv4::plan {
 
-struct HostPlanner {
+struct HostPlannerEntry {
   /// Plans have room for the rows (see prefill_counts; num_q_tokens rows with use_cuda_graph).
   static void prefill(TensorView req_pool_indices, Optional<TensorView> req_to_token, Optional<TensorView> full_to_state,
                       TensorView seq_lens, TensorView extend_lens, TensorView plan_c, TensorView plan_w,

@@ -260,7 +260,7 @@ inline tvm::ffi::String describe_status(TensorView status, TensorView req_pool_i
 }
 
 template <bool kPDL>
-struct Planner {
+struct PlannerEntry {
   /// GPU-input prefill: lengths on the device; plans are [num_q_tokens, ...], rows past the
   /// totals invalid. No host sync; data-dependent violations are dropped and reported in status.
   static void prefill_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
