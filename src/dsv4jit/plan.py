@@ -213,7 +213,8 @@ class CompressorDecodePlan:
 
 @dataclass
 class CompressorPrefillPlan:
-    """Prefill plan: CompressPlan rows (``plan[1]``) and WritePlan rows (``plan[2]``)."""
+    """Prefill plan: CompressPlan rows (``plan[1]``) and WritePlan rows (``plan[2]``), or an online
+    plan's OnlinePlan segment rows in both."""
 
     compress_ratio: int
     plan_c: torch.Tensor
@@ -222,6 +223,7 @@ class CompressorPrefillPlan:
     # and a given one is ignored
     pin_buffer: Optional[torch.Tensor] = None
     num_q_tokens: Optional[int] = None  # recorded by generate*; bounds out_loc in the store step
+    is_online: bool = False  # set by generate_online: the rows are segment rows (OnlinePlan)
 
     @property
     def is_decode(self) -> bool:
@@ -244,11 +246,12 @@ class CompressorPrefillPlan:
         self.num_q_tokens = other.num_q_tokens
         return self
 
-    def rows(self) -> tuple[plan_layout.CompressRows, plan_layout.WriteRows | plan_layout.CompressRows]:
+    def rows(self) -> (tuple[plan_layout.CompressRows, plan_layout.WriteRows]
+                       | tuple[plan_layout.OnlineRows, plan_layout.OnlineRows]):
         """Decoded fields (for debugging and tests); online plans hold segment rows in both."""
-        online = self.plan_w.dim() == 2 and self.plan_w.shape[1] == plan_layout.COMPRESS_PLAN_BYTES
-        decode_w = plan_layout.decode_compress_plan if online else plan_layout.decode_write_plan
-        return plan_layout.decode_compress_plan(self.plan_c), decode_w(self.plan_w)
+        if self.is_online:
+            return plan_layout.decode_online_plan(self.plan_c), plan_layout.decode_online_plan(self.plan_w)
+        return plan_layout.decode_compress_plan(self.plan_c), plan_layout.decode_write_plan(self.plan_w)
 
     @classmethod
     def generate(cls, compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -282,13 +285,13 @@ class CompressorPrefillPlan:
                         state_slot_offset: int = 0) -> "CompressorPrefillPlan":
         """Online c128 (contract §3.8): each request's extend range split at 128-chunk boundaries into segments;
         plan_c holds the segments that close a chunk, plan_w the trailing partial ones (both 16-byte
-        CompressPlan rows: buffer_len = segment length, read_page_0 = rid + offset, read_page_1 = rid)."""
+        OnlinePlan rows: segment_len, store_slot = rid + offset, load_slot = rid)."""
         with arguments.explained(_OP_PREFILL + "_online", locals(), _PREFILL_TENSORS, ("req_to_token",),
                                  int_names=("num_q_tokens", "state_slot_offset"), flag_names=("use_cuda_graph",)):
             plan_c, plan_w = _plan_prefill("prefill_online", _OP_PREFILL + "_online", (req_pool_indices, req_to_token),
                                            (state_slot_offset,), seq_lens, extend_lens, num_q_tokens,
-                                           use_cuda_graph, plan_layout.COMPRESS_PLAN_BYTES)
-        return cls(128, plan_c, plan_w, None, int(num_q_tokens))
+                                           use_cuda_graph, plan_layout.ONLINE_PLAN_BYTES)
+        return cls(128, plan_c, plan_w, None, int(num_q_tokens), is_online=True)
 
 
 def as_plan(op: str, plan) -> CompressorPrefillPlan | CompressorDecodePlan:

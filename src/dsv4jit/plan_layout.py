@@ -1,10 +1,12 @@
 """Byte layouts of the plan rows, in one place for Python.
 
-Plans travel as ``uint8`` tensors ``[rows, 16]`` (CompressPlan, DecodePlan) or ``[rows, 8]``
-(WritePlan); the kernels reinterpret the bytes (see ``csrc/common/plan_structs.h`` for the C++
-side). This module encodes and decodes them for the reference planner, tests and debugging.
+Plans travel as ``uint8`` tensors ``[rows, 16]`` (CompressPlan, OnlinePlan, DecodePlan) or
+``[rows, 8]`` (WritePlan); the kernels reinterpret the bytes (see ``csrc/common/plan_structs.h`` for
+the C++ side). This module encodes and decodes them for the reference planner, tests and debugging.
 
 CompressPlan (16 B): u32 seq_len | u16 ragged_id | u16 buffer_len | i32 read_page_0 | i32 read_page_1
+OnlinePlan   (16 B): u32 seq_len | u16 ragged_id | u16 segment_len | i32 store_slot | i32 load_slot
+                     (the online c128 prefill's segment rows: CompressPlan's layout, fields of their own)
 WritePlan    ( 8 B): u32 ragged_id | i32 write_loc
 DecodePlan   (16 B): u32 seq_len | i32 write_loc | i32 read_page_0 | i32 read_page_1
 Legacy PrefillPlan of the older c4 kernel (16 B): u32 ragged_id | u32 batch_id | u32 position | u32 window_len
@@ -17,10 +19,11 @@ from typing import NamedTuple
 import torch
 
 COMPRESS_PLAN_BYTES = 16
+ONLINE_PLAN_BYTES = 16  # CompressPlan's layout (contract §2.5)
 WRITE_PLAN_BYTES = 8
 DECODE_PLAN_BYTES = 16
 LEGACY_PLAN_BYTES = 16  # the older c4 kernel's PrefillPlan {ragged_id, batch_id, position, window_len}
-#: ``seq_len`` (CompressPlan) and ``ragged_id`` (WritePlan) of an invalid row.
+#: ``seq_len`` (CompressPlan, OnlinePlan) and ``ragged_id`` (WritePlan) of an invalid row.
 INVALID_U32 = 0xFFFFFFFF
 
 
@@ -47,6 +50,23 @@ class CompressRows(NamedTuple):
     buffer_len: torch.Tensor
     read_page_0: torch.Tensor
     read_page_1: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.seq_len != INVALID_U32
+
+
+class OnlineRows(NamedTuple):
+    """Fields of online segment rows (contract §2.5): ``segment_len`` tokens ending at ragged id
+    ``ragged_id`` and position ``seq_len - 1``, inside one 128-token chunk; the state goes to
+    ``store_slot``, and a segment that continues its chunk merges the state of ``load_slot``
+    (``store_slot`` where ``load_slot < 0``)."""
+
+    seq_len: torch.Tensor
+    ragged_id: torch.Tensor
+    segment_len: torch.Tensor
+    store_slot: torch.Tensor
+    load_slot: torch.Tensor
 
     @property
     def valid(self) -> torch.Tensor:
@@ -104,6 +124,14 @@ def encode_compress_plan(seq_len, ragged_id, buffer_len, read_page_0, read_page_
                   torch.as_tensor(read_page_0), torch.as_tensor(read_page_1)])
 
 
+def decode_online_plan(plan: torch.Tensor) -> OnlineRows:
+    return OnlineRows(*decode_compress_plan(plan))  # the same words, named for what they hold
+
+
+def encode_online_plan(seq_len, ragged_id, segment_len, store_slot, load_slot) -> torch.Tensor:
+    return encode_compress_plan(seq_len, ragged_id, segment_len, store_slot, load_slot)
+
+
 def decode_write_plan(plan: torch.Tensor) -> WriteRows:
     w = _words(plan, WRITE_PLAN_BYTES)
     return WriteRows(w[:, 0] & 0xFFFFFFFF, w[:, 1])
@@ -127,6 +155,10 @@ def invalid_compress_rows(n: int) -> torch.Tensor:
     full = torch.full((n,), INVALID_U32, dtype=torch.int64)
     zero = torch.zeros(n, dtype=torch.int64)
     return encode_compress_plan(full, zero, zero, zero - 1, zero - 1)
+
+
+def invalid_online_rows(n: int) -> torch.Tensor:
+    return invalid_compress_rows(n)  # {0xFFFFFFFF, 0, 0, -1, -1} as well
 
 
 def invalid_write_rows(n: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ STATUS_BITS = {
     "compress_c4": {1: "state page outside kv_score_buffer", 2: "ragged row outside kv_score_input",
                     4: "(write_loc) outside kv_score_buffer"},
     "compress_online": {1: "state row outside kv_score_buffer", 2: "ragged rows outside kv_score_input",
-                        4: "buffer_len is 0"},
+                        4: "segment_len is 0"},
     "store": {1: "out_loc entry", 2: "outside freq_cis", 4: "beyond out_loc"},
     "compat_c4": {1: "page outside kv_score_buffer", 2: "ragged row outside kv_score_input", 4: "batch_id",
                   8: "malformed row"},

@@ -387,11 +387,11 @@ def test_variant_id_slug_and_wrapper_are_canonical():
         "// dsv4jit generated wrapper for selftest[dtype=fp32,pdl=1]\n"
         '#include "selftest.cuh"\n'
         "\n"
-        "TVM_FFI_DLL_EXPORT_TYPED_FUNC(affine, (dsv4::SelfTest<float, true>::affine));\n")
+        "TVM_FFI_DLL_EXPORT_TYPED_FUNC(affine, (dsv4::SelfTestEntry<float, true>::affine));\n")
     off = SELFTEST.variant(dtype="bf16", pdl="false")
     assert off.id == "selftest[dtype=bf16,pdl=0]"
     assert off.slug == "selftest__bf16_nopdl"
-    assert "dsv4::SelfTest<dsv4::bf16_t, false>::affine" in off.wrapper_source()
+    assert "dsv4::SelfTestEntry<dsv4::bf16_t, false>::affine" in off.wrapper_source()
 
 
 def test_variant_rejects_unknown_and_missing_parameters():

@@ -84,7 +84,7 @@ class Runner:
         self._check_step(plan, inputs, out, before)
         c, _ = plan.rows()
         for i in torch.nonzero(c.valid).flatten().tolist():
-            b = active[[int(r) for r in self.rpi[active]].index(int(c.read_page_1[i]))]
+            b = active[[int(r) for r in self.rpi[active]].index(int(c.load_slot[i]))]
             self.events.append((b, int(c.seq_len[i]) - 1, out[i]))
         for b, e in zip(active, ext):
             self.done[b] += e

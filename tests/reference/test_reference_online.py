@@ -72,7 +72,7 @@ def test_prefill_plan_matches_enumeration(seed, offset, use_cuda_graph):
     assert p.plan_c.device.type == "cpu" and p.num_q_tokens == num_q and p.compress_ratio == 128
     assert torch.equal(p.plan_c, exp_c) and torch.equal(p.plan_w, exp_w)
     c, w = p.rows()  # online plan_w decodes as segment rows
-    assert bool((w.buffer_len[w.valid] < 128).all()) and bool((c.seq_len[c.valid] % 128 == 0).all())
+    assert bool((w.segment_len[w.valid] < 128).all()) and bool((c.seq_len[c.valid] % 128 == 0).all())
 
 
 @pytest.mark.parametrize("offset", [0, 3])
@@ -226,7 +226,7 @@ def run_history(rng: random.Random, lengths, steps, state_dtype=torch.float32, o
         out = compress_forward(state, inputs, ape, plan, head_dim=hd, compress_ratio=128, is_online=True)
         c, _ = plan.rows()
         for i in range(len(c.seq_len)):
-            b = active[int((c.read_page_1[i] == rpi[active]).nonzero())]
+            b = active[int((c.load_slot[i] == rpi[active]).nonzero())]
             events.append((b, int(c.seq_len[i]) - 1, out[i]))
         if offset:  # prefill stores bank rid + offset and merges from rid: commit it (as MTP would)
             state[rpi] = state[rpi + offset]

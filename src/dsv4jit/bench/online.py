@@ -47,7 +47,7 @@ class OnlineCase:
                                                               tokens)
             c, w = self.plan.rows()
             # a segment merges a stored state unless it starts at chunk offset 0
-            merges = sum(int((r.valid & (r.buffer_len < (r.seq_len - 1) % 128 + 1)).sum()) for r in (c, w))
+            merges = sum(int((r.valid & (r.segment_len < (r.seq_len - 1) % 128 + 1)).sum()) for r in (c, w))
             self.bytes = (tokens * 2 * HD * 4 + 128 * HD * 4 + 16 * (len(c.valid) + len(w.valid))
                           + merges * 3 * HD * sb + int(c.valid.sum()) * HD * 4 + int(w.valid.sum()) * 3 * HD * sb)
         self.input = 2 * torch.randn(tokens, 2 * HD, device=dev)

@@ -24,7 +24,7 @@ __global__ void affine_kernel(const T* __restrict__ x, T* __restrict__ out, int6
 }
 
 template <typename T, bool kPDL>
-struct SelfTest {
+struct SelfTestEntry {
   static void affine(tvm::ffi::TensorView x, tvm::ffi::TensorView out, double alpha, double beta) {
     Size n{"n"};
     Device dev;

@@ -11,7 +11,7 @@ SELFTEST = KernelSpec(
     name="selftest",
     header="selftest.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), PDL),
-    exports={"affine": "dsv4::SelfTest<{dtype}, {pdl}>::affine"},
+    exports={"affine": "dsv4::SelfTestEntry<{dtype}, {pdl}>::affine"},
     serving=({"dtype": "fp32"},),
     doc="out = x * alpha + beta; toolchain and loader checks",
 )
@@ -20,14 +20,14 @@ PLAN = KernelSpec(
     name="plan",
     header="planner/plan.cuh",
     params=(PDL,),
-    exports={"prefill_device": "dsv4::plan::Planner<{pdl}>::prefill_device",
-             "prefill_host_lengths": "dsv4::plan::Planner<{pdl}>::prefill_host_lengths",
-             "decode": "dsv4::plan::Planner<{pdl}>::decode",
+    exports={"prefill_device": "dsv4::plan::PlannerEntry<{pdl}>::prefill_device",
+             "prefill_host_lengths": "dsv4::plan::PlannerEntry<{pdl}>::prefill_host_lengths",
+             "decode": "dsv4::plan::PlannerEntry<{pdl}>::decode",
              "prefill_counts": "dsv4::plan::prefill_counts",
              "describe_status": "dsv4::plan::describe_status",
-             "prefill_online_device": "dsv4::plan::Planner<{pdl}>::prefill_online_device",
-             "prefill_online_host_lengths": "dsv4::plan::Planner<{pdl}>::prefill_online_host_lengths",
-             "decode_online": "dsv4::plan::Planner<{pdl}>::decode_online",
+             "prefill_online_device": "dsv4::plan::PlannerEntry<{pdl}>::prefill_online_device",
+             "prefill_online_host_lengths": "dsv4::plan::PlannerEntry<{pdl}>::prefill_online_host_lengths",
+             "decode_online": "dsv4::plan::PlannerEntry<{pdl}>::decode_online",
              "prefill_online_counts": "dsv4::plan::prefill_online_counts"},
     serving=({},),
     doc="compress/write/decode plans from device- or host-resident lengths",
@@ -37,10 +37,10 @@ PLAN_HOST = KernelSpec(
     name="plan_host",
     header="planner/host.h",
     params=(),
-    exports={"prefill": "dsv4::plan::HostPlanner::prefill", "decode": "dsv4::plan::HostPlanner::decode",
+    exports={"prefill": "dsv4::plan::HostPlannerEntry::prefill", "decode": "dsv4::plan::HostPlannerEntry::decode",
              "prefill_counts": "dsv4::plan::prefill_counts",
-             "prefill_online": "dsv4::plan::HostPlanner::prefill_online",
-             "decode_online": "dsv4::plan::HostPlanner::decode_online",
+             "prefill_online": "dsv4::plan::HostPlannerEntry::prefill_online",
+             "decode_online": "dsv4::plan::HostPlannerEntry::decode_online",
              "prefill_online_counts": "dsv4::plan::prefill_online_counts"},
     serving=({},),
     target="host",
@@ -51,7 +51,7 @@ FLOAT = ("fp32", "bf16", "fp16")
 
 
 def _compress(ratio: int, head_dims: tuple[int, ...], serving_dims: tuple[int, ...]) -> KernelSpec:
-    entry = "dsv4::compress::Compress<%d, {head_dim}, {state}, {input}, {output}, {pdl}>" % ratio
+    entry = "dsv4::compress::CompressEntry<%d, {head_dim}, {state}, {input}, {output}, {pdl}>" % ratio
     return KernelSpec(
         name=f"compress_c{ratio}",
         header="compress/ring.cuh",
@@ -76,7 +76,7 @@ STORE = KernelSpec(
     name="store",
     header="store/store.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
-    exports={"run": "dsv4::store::NormRopeStore<{dtype}, {format}, {pdl}>::run",
+    exports={"run": "dsv4::store::NormRopeStoreEntry<{dtype}, {format}, {pdl}>::run",
              "describe_status": "dsv4::store::describe_status"},
     serving=tuple({"dtype": "fp32", "format": f} for f in STORE_FORMATS),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
@@ -92,7 +92,7 @@ STORE_PROBES = KernelSpec(
 )
 
 
-_FUSED_ENTRY = "dsv4::fused::CompressAndStore<{ratio}, {state}, {input}, {format}, {pdl}>"
+_FUSED_ENTRY = "dsv4::fused::CompressAndStoreEntry<{ratio}, {state}, {input}, {format}, {pdl}>"
 FUSED = KernelSpec(
     name="fused",
     header="fused/fused.cuh",
@@ -108,7 +108,7 @@ FUSED = KernelSpec(
                       if v["ratio"] == 128 and v["format"].startswith("indexer") else None),
 )
 
-_C4_LAYER_ENTRY = "dsv4::fused::C4Layer<{state}, {input}, {core_format}, {indexer_format}, {pdl}>"
+_C4_LAYER_ENTRY = "dsv4::fused::C4LayerEntry<{state}, {input}, {core_format}, {indexer_format}, {pdl}>"
 C4_LAYER = KernelSpec(
     name="fused_c4_layer",
     header="fused/layer.cuh",
@@ -123,7 +123,7 @@ C4_LAYER = KernelSpec(
     doc="a c4 layer's core and indexer compressor steps (compress_and_store of each) in one launch",
 )
 
-_COMPAT_ENTRY = "dsv4::compat::CompatC4<{head_dim}, {state}, {input}, {output}, {pdl}>"
+_COMPAT_ENTRY = "dsv4::compat::CompatC4Entry<{head_dim}, {state}, {input}, {output}, {pdl}>"
 COMPAT_C4 = KernelSpec(
     name="compat_c4",
     header="compat/compat_c4.cuh",
@@ -136,18 +136,18 @@ COMPAT_C4 = KernelSpec(
     doc="the older c4 entry points (indices/seq_lens, ring or 4-aligned pages, ragged-indexed output)",
 )
 
-_ONLINE_ENTRY = "dsv4::online::Online<{head_dim}, {state}, {pdl}>"
+_ONLINE_ENTRY = "dsv4::compress::online::OnlineEntry<{head_dim}, {state}, {pdl}>"
 COMPRESS_ONLINE = KernelSpec(
     name="compress_online",
     header="compress/online.cuh",
     params=(Param("head_dim", "int", (128, 256, 512)), Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"prefill": _ONLINE_ENTRY + "::prefill", "decode": _ONLINE_ENTRY + "::decode",
-             "describe_status": "dsv4::online::describe_status"},
+             "describe_status": "dsv4::compress::online::describe_status"},
     serving=tuple({"head_dim": 512, "state": st} for st in ("fp32", "bf16")),
     doc="online c128: one running softmax state row per request (prefill segments and decode steps)",
 )
 
-_ONLINE_MTP_ENTRY = "dsv4::online_mtp::DraftStates<{head_dim}, {state}, {pdl}>"
+_ONLINE_MTP_ENTRY = "dsv4::compress::online_mtp::DraftStatesEntry<{head_dim}, {state}, {pdl}>"
 ONLINE_MTP = KernelSpec(
     name="online_mtp",
     header="compress/online_mtp.cuh",
@@ -155,18 +155,18 @@ ONLINE_MTP = KernelSpec(
     exports={"write_prefix_states": _ONLINE_MTP_ENTRY + "::write_prefix_states",
              "mark_pending": _ONLINE_MTP_ENTRY + "::mark_pending",
              "commit_pending": _ONLINE_MTP_ENTRY + "::commit_pending",
-             "describe_status": "dsv4::online_mtp::describe_status"},
+             "describe_status": "dsv4::compress::online_mtp::describe_status"},
     serving=tuple({"head_dim": 512, "state": st, "pdl": True} for st in ("fp32", "bf16")),
     doc="online c128 with speculative decoding: draft states of a verify step, pending lengths, commit",
 )
 
-_FUSED_ONLINE_ENTRY = "dsv4::fused::OnlineCompressAndStore<{state}, {format}, {pdl}>"
+_FUSED_ONLINE_ENTRY = "dsv4::fused::OnlineCompressAndStoreEntry<{state}, {format}, {pdl}>"
 FUSED_ONLINE = KernelSpec(
     name="fused_online",
     header="fused/fused.cuh",
     params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"run": _FUSED_ONLINE_ENTRY + "::run",
-             "describe_compress_status": "dsv4::online::describe_status",
+             "describe_compress_status": "dsv4::compress::online::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"format": "v4_fp8", "state": st} for st in ("fp32", "bf16")),
     doc="online c128 + RMSNorm + RoPE + quantize + paged store in one kernel (head_dim 512, fp32 rows)",

@@ -8,11 +8,11 @@ state is reset at chunk offset 0 and the pooled row is emitted when offset 127 h
 * Decode (one DecodePlan row per request): ``c = (seq_len − 1) mod 128``; load the state from
   ``read_page_0`` unless ``c == 0``; fold the token in; ``c == 127`` emits ``k'`` to output row b and
   stores nothing, otherwise ``(m', s', k')`` goes to ``write_loc`` and output row b is zero (contract §9.3).
-* Prefill (segment rows, see ``CompressorPrefillPlan.generate_online``): a segment of
-  ``buffer_len`` tokens ending at ragged id ``ragged_id`` and chunk offset ``(seq_len − 1) mod 128``
+* Prefill (OnlinePlan segment rows, see ``CompressorPrefillPlan.generate_online``): a segment of
+  ``segment_len`` tokens ending at ragged id ``ragged_id`` and chunk offset ``(seq_len − 1) mod 128``
   is pooled into a partial state; unless it starts at chunk offset 0 it is merged into the stored state
-  of ``read_page_1`` (``read_page_0`` if ``read_page_1 < 0``). plan_c rows (run first) write the pooled
-  ``k`` to output row i; plan_w rows (run second) store the state into ``read_page_0``.
+  of ``load_slot`` (``store_slot`` if ``load_slot < 0``). plan_c rows (run first) write the pooled
+  ``k`` to output row i; plan_w rows (run second) store the state into ``store_slot``.
 
 The state math of contract §5.2 is here too: ``online_reset`` / ``online_update`` (one token),
 ``online_merge`` (two partial states), ``online_pool`` (the literal token-by-token form of a segment)
@@ -29,7 +29,7 @@ import torch
 
 from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range, one_device
 from dsv4jit.geometry import CHUNK, head_dim_multiple, online_input_width, online_state_width
-from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan
+from dsv4jit.plan_layout import decode_decode_plan, decode_online_plan
 
 __all__ = ["CHUNK", "OnlineState", "online_decode", "online_merge", "online_pool", "online_prefill", "online_reset",
            "online_state_from_row", "online_state_to_row", "online_update", "segment_state"]
@@ -157,21 +157,21 @@ def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out
 
 def _segments(name: str, plan: torch.Tensor, inputs, ape, flat, head_dim, dtype):
     """(row index, merged state, store slot) of every valid segment row, states as stored before this step."""
-    rows = decode_compress_plan(plan)
+    rows = decode_online_plan(plan)
     result = []
     for i in torch.nonzero(rows.valid).flatten().tolist():
         end = (int(rows.seq_len[i]) - 1) % CHUNK + 1        # chunk offsets [end - n, end)
-        n, last = int(rows.buffer_len[i]), int(rows.ragged_id[i])
+        n, last = int(rows.segment_len[i]), int(rows.ragged_id[i])
         if not 1 <= n <= end or last - n + 1 < 0 or last >= inputs.shape[0]:
             raise ValueError(f"{name}: row {i} (a segment of {n} tokens ending at ragged id {last}, chunk offset "
                              f"{end - 1}) does not fit the chunk or kv_score_input ({inputs.shape[0]} rows)")
         tokens = inputs[last - n + 1:last + 1].to(dtype)
         state = segment_state(tokens[:, :head_dim], tokens[:, head_dim:] + ape[end - n:end].to(dtype))
         if end - n > 0:  # continues a chunk: merge into the stored partial state
-            load = int(rows.read_page_1[i]) if int(rows.read_page_1[i]) >= 0 else int(rows.read_page_0[i])
+            load = int(rows.load_slot[i]) if int(rows.load_slot[i]) >= 0 else int(rows.store_slot[i])
             _check_slot(name, f"the state row read by row {i}", load, flat.shape[0])
             state = online_merge(online_state_from_row(flat[load], head_dim, dtype), state)
-        result.append((i, state, int(rows.read_page_0[i])))
+        result.append((i, state, int(rows.store_slot[i])))
     return result
 
 
@@ -184,7 +184,7 @@ def online_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head
     pooled = _segments("plan_c", plan_c, kv_score_input, ape, flat, head_dim, dtype)
     stores = _segments("plan_w", plan_w, kv_score_input, ape, flat, head_dim, dtype)
     for i, _, slot in stores:
-        _check_slot("plan_w", f"read_page_0 of row {i}", slot, flat.shape[0])
+        _check_slot("plan_w", f"store_slot of row {i}", slot, flat.shape[0])
     for i, state, _ in pooled:
         out[i] = state.k.to(out.dtype)
     for _, state, slot in stores:

@@ -243,7 +243,7 @@ __global__ __launch_bounds__(X::K::kThreads) void prefill_write_kernel(const __g
 /// Host entry points (the older run_decode / run_prefill argument order, plus the checked-mode
 /// status word). Every tensor is checked before any launch.
 template <int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
-struct CompatC4 {
+struct CompatC4Entry {
   using X = Kernels<kHeadDim, BufferT, InT, OutT, kPDL>;
   using W = typename X::W;
 

@@ -28,11 +28,11 @@ const void* plan_rows(const char* op, const char* arg, Device& dev, const tvm::f
   return plan.data_ptr();
 }
 
-/// A prefill's plan[1] holds CompressPlan rows (the pool pass, num_rows) and plan[2] `WriteRow`
-/// rows (the write pass, at most one per input row, in plan_w); a decode's plan[1] DecodePlan rows,
-/// one per request.
-template <typename Derived, typename WriteRow>
-struct CompressorEntry {
+/// A prefill's plan[1] holds `PoolRow` rows (the pool pass, num_rows: CompressPlan, or the online
+/// compressor's OnlinePlan) and plan[2] `WriteRow` rows (the write pass, at most one per input row,
+/// in plan_w); a decode's plan[1] DecodePlan rows, one per request.
+template <typename Derived, typename WriteRow, typename PoolRow = CompressPlan>
+struct CompressorEntryBase {
   using TensorView = tvm::ffi::TensorView;
 
   static auto prefill_params(const char* op, Device& dev, const TensorView& state, const TensorView& input,
@@ -40,7 +40,7 @@ struct CompressorEntry {
                              const TensorView* out, int32_t* status, Size& rows_c, Size& rows_w) {
     Size input_rows{"num_q_tokens"};
     auto p = Derived::common(op, dev, state, input, ape, out, status, input_rows, rows_c);
-    p.plan = plan_rows<CompressPlan>(op, "plan[1]", dev, plan_c, rows_c);
+    p.plan = plan_rows<PoolRow>(op, "plan[1]", dev, plan_c, rows_c);
     p.plan_w = static_cast<decltype(p.plan_w)>(plan_rows<WriteRow>(op, "plan[2]", dev, plan_w, rows_w));
     expect(rows_w.value <= input_rows.value, op, "plan[2]", "at most as many rows as kv_score_input (num_q_tokens)",
            rows_w.value);

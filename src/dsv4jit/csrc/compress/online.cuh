@@ -34,7 +34,7 @@
 #include "unit_lane.cuh"
 #include "window_softmax.cuh"
 
-namespace dsv4::online {
+namespace dsv4::compress::online {
 
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
@@ -45,14 +45,14 @@ inline constexpr int kChunk = 128;  // tokens per compressed row: the state rest
 enum StatusBit : int32_t {
   kStateRowOutOfRange = 1,
   kRaggedRowOutOfRange = 2,
-  kBadSegment = 4,  // buffer_len is 0 or reaches before its chunk
+  kBadSegment = 4,  // segment_len is 0 or reaches before its chunk
 };
 
 /// Checked mode's text of a status word (host only: the op raises it as ValueError).
 inline tvm::ffi::String describe_status(int64_t word) {
   return status_text(word, {{kStateRowOutOfRange, "a plan row names a state row outside kv_score_buffer"},
                             {kRaggedRowOutOfRange, "a segment row names ragged rows outside kv_score_input"},
-                            {kBadSegment, "a segment row's buffer_len is 0 or reaches before its 128-token chunk"}});
+                            {kBadSegment, "a segment row's segment_len is 0 or reaches before its 128-token chunk"}});
 }
 
 struct Params {
@@ -60,7 +60,7 @@ struct Params {
   const float* input;   // [num_input_rows, 2·hd]: kv | score
   const float* ape;     // [128, hd]
   float* out;           // [rows of plan_c or plan_d, hd]
-  const void* plan;     // CompressPlan segment rows (prefill passes) or DecodePlan rows
+  const void* plan;     // OnlinePlan segment rows (prefill passes) or DecodePlan rows
   const void* plan_w;   // prefill: the write pass's segment rows
   bool after_pool;      // write pass: a pool pass runs just before it (the pass loads before waiting)
   int64_t num_state_rows;
@@ -176,7 +176,7 @@ struct Kernels {
   static constexpr int kPrefillMinBlocks = 2;
   using PrefillLane = Lane<kPrefillC>;
 
-  /// One segment row per unit; kStore: write pass (state -> read_page_0), else pool pass (emits the
+  /// One segment row per unit; kStore: write pass (state -> store_slot), else pool pass (emits the
   /// pooled row to `sink`). Everything the write pass reads (plan rows, tokens, stored states) is an
   /// input of the step, complete before the pool pass began and written by no kernel running now:
   /// after a pool pass it loads and pools before waiting for it, and only the state store (a row the
@@ -190,17 +190,17 @@ struct Kernels {
     WaitUpstreamOnExit<kPDL> wait_on_exit{early};
     if (!early) pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
-    const CompressPlan plan = load_row(static_cast<const CompressPlan*>(p.plan), lane.row);
+    const OnlinePlan plan = load_row(static_cast<const OnlinePlan*>(p.plan), lane.row);
     if (plan.is_invalid()) return;
     const int end = static_cast<int>((plan.seq_len - 1) % kChunk) + 1;  // chunk offsets [end - n, end)
-    const int n = plan.buffer_len;
+    const int n = plan.segment_len;
     const int64_t first_ragged = int64_t{plan.ragged_id} - n + 1;
     const bool merge = end - n > 0;
-    const int32_t stored_row = plan.read_page_1 >= 0 ? plan.read_page_1 : plan.read_page_0;
+    const int32_t stored_row = plan.merge_slot();
     int32_t bad = 0;
     if (n == 0 || n > end) bad |= kBadSegment;
     if (first_ragged < 0 || plan.ragged_id >= p.num_input_rows) bad |= kRaggedRowOutOfRange;
-    if ((merge && !state_row_ok(p, stored_row)) || (kStore && !state_row_ok(p, plan.read_page_0))) {
+    if ((merge && !state_row_ok(p, stored_row)) || (kStore && !state_row_ok(p, plan.store_slot))) {
       bad |= kStateRowOutOfRange;
     }
     if (bad) {
@@ -230,7 +230,7 @@ struct Kernels {
     }
     if constexpr (kStore) {
       pdl_wait_upstream<kPDL>();  // the pool pass has read every stored state
-      if (lead) store_state(p, plan.read_page_0, lane.channel, part);
+      if (lead) store_state(p, plan.store_slot, lane.channel, part);
     } else {
       float out[C];
 #pragma unroll
@@ -254,12 +254,12 @@ __global__ __launch_bounds__(K::kPrefillThreads, K::kPrefillMinBlocks) void pref
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kHeadDim, typename BufferT, bool kPDL>
-struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
+struct OnlineEntry : CompressorEntryBase<OnlineEntry<kHeadDim, BufferT, kPDL>, OnlinePlan, OnlinePlan> {
   using K = Kernels<kHeadDim, BufferT, kPDL>;
   static constexpr const char* kOp = "compress_forward";
   static constexpr int kPrefillSlices = K::PrefillLane::kSlices;
 
-  /// CompressorEntry's checks of the state rows [rows, 1, 3·hd], fp32 input and ape (and `out`);
+  /// CompressorEntryBase's checks of the state rows [rows, 1, 3·hd], fp32 input and ape (and `out`);
   /// `input_rows` and `out_rows` bind the row counts.
   static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
                        const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
@@ -271,7 +271,7 @@ struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
         .aligned();
     Check(op, "ape", ape).shape({kChunk, kHeadDim}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
     Params p{};
-    p.out = static_cast<float*>(Online::template output<float>(op, dev, out, kHeadDim, out_rows));
+    p.out = static_cast<float*>(OnlineEntry::template output<float>(op, dev, out, kHeadDim, out_rows));
     p.state = state.data_ptr();
     p.input = static_cast<const float*>(input.data_ptr());
     p.ape = static_cast<const float*>(ape.data_ptr());
@@ -300,4 +300,4 @@ struct Online : CompressorEntry<Online<kHeadDim, BufferT, kPDL>, CompressPlan> {
   }
 };
 
-}  // namespace dsv4::online
+}  // namespace dsv4::compress::online

@@ -26,7 +26,7 @@
 #include "online.cuh"
 #include "window_softmax.cuh"
 
-namespace dsv4::online_mtp {
+namespace dsv4::compress::online_mtp {
 
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
@@ -178,7 +178,7 @@ __global__ __launch_bounds__(K::kThreads) void commit_pending_kernel(const __gri
 /// Host entry points of one instantiation: every tensor and scalar checked before any launch, so a
 /// rejected call writes nothing. Argument names are the public ops'.
 template <int kHeadDim, typename BufferT, bool kPDL>
-struct DraftStates {
+struct DraftStatesEntry {
   using K = Kernels<kHeadDim, BufferT, kPDL>;
 
   /// An int32 or int64 vector of at least `batch` entries.
@@ -228,7 +228,7 @@ struct DraftStates {
     verify_tokens(op, num_verify_tokens);
     Device dev;
     Params p{};
-    p.state = DraftStates::state(op, dev, state, num_verify_tokens, state_slot_stride);
+    p.state = DraftStatesEntry::state(op, dev, state, num_verify_tokens, state_slot_stride);
     Size input_rows{"num_input_rows"};
     Check(op, "kv_score_input", kv_score_input).shape({input_rows, 2 * kHeadDim}).dtype(dl::kF32).cuda(dev)
         .contiguous().aligned();
@@ -273,7 +273,7 @@ struct DraftStates {
     verify_tokens(op, num_verify_tokens);
     Device dev;
     Params p{};
-    p.state = DraftStates::state(op, dev, state, num_verify_tokens, state_slot_stride);
+    p.state = DraftStatesEntry::state(op, dev, state, num_verify_tokens, state_slot_stride);
     p.pending = pending(op, dev, pending_seq_lens, num_req_slots);
     expect(num_req_slots <= state_slot_stride, op, "state_slot_stride",
            [&] { return "at least num_req_slots = " + std::to_string(num_req_slots) +
@@ -290,4 +290,4 @@ struct DraftStates {
   }
 };
 
-}  // namespace dsv4::online_mtp
+}  // namespace dsv4::compress::online_mtp

@@ -371,12 +371,12 @@ __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(cons
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
 template <int kRatio, int kHeadDim, typename BufferT, typename InT, typename OutT, bool kPDL>
-struct Compress : CompressorEntry<Compress<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>, WritePlan> {
+struct CompressEntry : CompressorEntryBase<CompressEntry<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>, WritePlan> {
   using K = Kernels<kRatio, kHeadDim, BufferT, InT, OutT, kPDL>;
   using W = typename K::W;
   static constexpr const char* kOp = "compress_forward";
 
-  /// CompressorEntry's checks of the state ring [pages, R, row width], input and ape (and `out`);
+  /// CompressorEntryBase's checks of the state ring [pages, R, row width], input and ape (and `out`);
   /// `input_rows` and `out_rows` bind the row counts.
   static Params common(const char* op, Device& dev, const TensorView& state, const TensorView& input,
                        const TensorView& ape, const TensorView* out, int32_t* status, Size& input_rows,
@@ -388,7 +388,7 @@ struct Compress : CompressorEntry<Compress<kRatio, kHeadDim, BufferT, InT, OutT,
     Check(op, "kv_score_input", input).shape({input_rows, W::kRowWidth}).dtype(DTypeInfo<InT>::dtype).cuda(dev)
         .contiguous().aligned();
     Check(op, "ape", ape).shape({W::kSlots, kHeadDim}).dtype(DTypeInfo<InT>::dtype).cuda(dev).contiguous().aligned();
-    p.out = Compress::template output<OutT>(op, dev, out, kHeadDim, out_rows);
+    p.out = CompressEntry::template output<OutT>(op, dev, out, kHeadDim, out_rows);
     p.state = state.data_ptr();
     p.input = input.data_ptr();
     p.ape = ape.data_ptr();

@@ -275,7 +275,7 @@ DSV4_DEV void pool_slices_in_turn(Sink& sink, PoolSlice pool_slice) {
 template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL, bool kDecode>
 struct RingPass {
   static constexpr int kHeadDim = store::Layout<F>::kHeadDim;
-  using Compressor = compress::Compress<kRatio, kHeadDim, BufferT, InT, InT, kPDL>;
+  using Compressor = compress::CompressEntry<kRatio, kHeadDim, BufferT, InT, InT, kPDL>;
   using K = typename Compressor::K;
   using W = typename K::W;
   using Params = compress::Params;
@@ -326,9 +326,9 @@ struct PoolLaunch {
 template <typename BufferT, store::Format F, bool kPDL, bool kDecode>
 struct OnlinePass {
   static constexpr int kHeadDim = 512;
-  using Compressor = online::Online<kHeadDim, BufferT, kPDL>;
+  using Compressor = compress::online::OnlineEntry<kHeadDim, BufferT, kPDL>;
   using K = typename Compressor::K;
-  using Params = online::Params;
+  using Params = compress::online::Params;
   static constexpr bool kBlockUnits = false;
   using Step = std::conditional_t<kDecode, StoreStep<float, F, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
                                   StoreStep<float, F, 4, 1, kHeadDim / 128>>;
@@ -354,9 +354,9 @@ struct OnlinePass {
 /// kernel), for the calls where that measured faster than one fused kernel (the rule: ops/fused.py);
 /// block-unit passes (ring c128) run one kernel with `rows` as their scratch and `row_counts`.
 template <typename PrefillPass, typename DecodePass, typename InT, store::Format F, bool kPDL, int kRatio>
-struct Entry {
+struct EntryBase {
   using Compressor = typename PrefillPass::Compressor;
-  using Store = store::NormRopeStore<InT, F, kPDL>;
+  using Store = store::NormRopeStoreEntry<InT, F, kPDL>;
   static constexpr const char* kOp = "compress_and_store";
 
   /// Fills the store half of `p` for the plan rows (`rows` of them).
@@ -464,12 +464,12 @@ struct Entry {
 
 /// compress_and_store on the state ring (c4, c128).
 template <int kRatio, typename BufferT, typename InT, store::Format F, bool kPDL>
-struct CompressAndStore : Entry<PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, false>>,
-                                PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, true>>, InT, F, kPDL, kRatio> {};
+struct CompressAndStoreEntry : EntryBase<PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, false>>,
+                                         PoolLaunch<RingPass<kRatio, BufferT, InT, F, kPDL, true>>, InT, F, kPDL, kRatio> {};
 
 /// compress_and_store(is_online=True): the online c128 state rows, fp32 rows, V4 formats.
 template <typename BufferT, store::Format F, bool kPDL>
-struct OnlineCompressAndStore : Entry<PoolLaunch<OnlinePass<BufferT, F, kPDL, false>>,
-                                      PoolLaunch<OnlinePass<BufferT, F, kPDL, true>>, float, F, kPDL, 128> {};
+struct OnlineCompressAndStoreEntry : EntryBase<PoolLaunch<OnlinePass<BufferT, F, kPDL, false>>,
+                                               PoolLaunch<OnlinePass<BufferT, F, kPDL, true>>, float, F, kPDL, 128> {};
 
 }  // namespace dsv4::fused

@@ -51,9 +51,9 @@ __global__ __launch_bounds__(KA::kWriteUnitsPerBlock * kWarpSize) void pair_writ
 /// plan, the rope table, the norm epsilon). Every tensor of both compressors is checked before any
 /// launch; errors name the op as `compress_and_store_c4_layer[core]` or `[indexer]`.
 template <typename BufferT, typename InT, store::Format FCore, store::Format FIndexer, bool kPDL>
-struct C4Layer {
-  using Core = CompressAndStore<4, BufferT, InT, FCore, kPDL>;
-  using Indexer = CompressAndStore<4, BufferT, InT, FIndexer, kPDL>;
+struct C4LayerEntry {
+  using Core = CompressAndStoreEntry<4, BufferT, InT, FCore, kPDL>;
+  using Indexer = CompressAndStoreEntry<4, BufferT, InT, FIndexer, kPDL>;
   using CoreDecode = RingPass<4, BufferT, InT, FCore, kPDL, true>;
   using IndexerDecode = RingPass<4, BufferT, InT, FIndexer, kPDL, true>;
   using CorePrefill = RingPass<4, BufferT, InT, FCore, kPDL, false>;

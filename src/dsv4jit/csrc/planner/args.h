@@ -213,8 +213,8 @@ inline Totals build_request_table(const char* op, const Geometry& g, const Tenso
 
 /// Everything a prefill from host-resident lengths needs, checked: the request table (entry B holds
 /// the totals) and plan tensors with room for the rows (all num_q_tokens rows with use_cuda_graph).
-/// WriteRow: WritePlan (ring planners) or CompressPlan (online segments).
-template <typename WriteRow>
+/// Rows: RingPrefillRows or OnlinePrefillRows (rules.h), the row types of plan_c and plan_w.
+template <typename Rows>
 struct HostPrefillOf {
   Geometry g;
   Tables tables;
@@ -222,21 +222,21 @@ struct HostPrefillOf {
   std::vector<RequestEntry> table;
   uint32_t batch = 0;
   uint32_t cap_c = 0, cap_w = 0;  // rows to fill: the counts, or num_q_tokens with use_cuda_graph
-  CompressPlan* plan_c = nullptr;
-  WriteRow* plan_w = nullptr;
+  typename Rows::Compress* plan_c = nullptr;
+  typename Rows::Write* plan_w = nullptr;
 };
-using HostPrefill = HostPrefillOf<WritePlan>;
+using HostPrefill = HostPrefillOf<RingPrefillRows>;
 
 /// The lengths and plan tensors of a host-lengths prefill, once h.g, h.tables and h.dev are set.
-template <typename WriteRow>
-inline void check_host_lengths(const char* op, HostPrefillOf<WriteRow>& h, Size& batch, const TensorView& seq_lens,
+template <typename Rows>
+inline void check_host_lengths(const char* op, HostPrefillOf<Rows>& h, Size& batch, const TensorView& seq_lens,
                                const TensorView& extend_lens, const TensorView& plan_c, const TensorView& plan_w,
                                int64_t num_q_tokens, bool use_cuda_graph, bool on_cuda) {
   Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
   const Totals totals =
       build_request_table(op, h.g, seq_lens, extend_lens, batch, num_q_tokens, h.table, max_seq_len(h.tables));
-  check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(CompressPlan), h.dev, on_cuda);
-  check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(WriteRow), h.dev, on_cuda);
+  check_plan_tensor(op, "plan_c", plan_c, rows_c, sizeof(typename Rows::Compress), h.dev, on_cuda);
+  check_plan_tensor(op, "plan_w", plan_w, rows_w, sizeof(typename Rows::Write), h.dev, on_cuda);
   const int64_t cap_c = use_cuda_graph ? num_q_tokens : totals.num_c;
   const int64_t cap_w = use_cuda_graph ? num_q_tokens : totals.num_w;
   expect(rows_c.value >= cap_c, op, "plan_c", [&] { return "at least " + std::to_string(cap_c) + " rows"; },
@@ -246,8 +246,8 @@ inline void check_host_lengths(const char* op, HostPrefillOf<WriteRow>& h, Size&
   h.batch = static_cast<uint32_t>(batch.value);
   h.cap_c = static_cast<uint32_t>(cap_c);
   h.cap_w = static_cast<uint32_t>(cap_w);
-  h.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
-  h.plan_w = static_cast<WriteRow*>(plan_w.data_ptr());
+  h.plan_c = static_cast<typename Rows::Compress*>(plan_c.data_ptr());
+  h.plan_w = static_cast<typename Rows::Write*>(plan_w.data_ptr());
 }
 
 inline HostPrefill checked_host_prefill(const char* op, const TensorView& req_pool_indices,

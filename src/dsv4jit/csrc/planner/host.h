@@ -14,7 +14,7 @@
 
 namespace dsv4::plan {
 
-struct HostPlanner {
+struct HostPlannerEntry {
   /// Plans have room for the rows (see prefill_counts; num_q_tokens rows with use_cuda_graph).
   static void prefill(TensorView req_pool_indices, Optional<TensorView> req_to_token, Optional<TensorView> full_to_state,
                       TensorView seq_lens, TensorView extend_lens, TensorView plan_c, TensorView plan_w,
@@ -32,15 +32,15 @@ struct HostPlanner {
                              TensorView extend_lens, TensorView plan_c, TensorView plan_w, int64_t num_q_tokens,
                              int64_t state_slot_offset, bool use_cuda_graph, bool checked) {
     const char* op = kPrefillOnlineOp;
-    HostPrefillOf<CompressPlan> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
-                                                                extend_lens, plan_c, plan_w, num_q_tokens,
-                                                                state_slot_offset, use_cuda_graph, false);
+    HostPrefillOf<OnlinePrefillRows> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
+                                                                     extend_lens, plan_c, plan_w, num_q_tokens,
+                                                                     state_slot_offset, use_cuda_graph, false);
     emit_all(op, h, seq_lens, extend_lens, checked);
   }
 
   /// Every request's rows in batch order, then invalid rows up to the capacities.
-  template <typename WriteRow>
-  static void emit_all(const char* op, HostPrefillOf<WriteRow>& h, const TensorView& seq_lens,
+  template <typename Rows>
+  static void emit_all(const char* op, HostPrefillOf<Rows>& h, const TensorView& seq_lens,
                        const TensorView& extend_lens, bool checked) {
     int32_t status = 0;
     uint64_t first = kNoViolation;
@@ -56,8 +56,8 @@ struct HostPlanner {
       }
     }
     const RequestEntry& totals = h.table[h.batch];
-    for (uint32_t i = totals.row_c; i < h.cap_c; ++i) h.plan_c[i] = CompressPlan::invalid();
-    for (uint32_t i = totals.row_w; i < h.cap_w; ++i) h.plan_w[i] = WriteRow::invalid();
+    for (uint32_t i = totals.row_c; i < h.cap_c; ++i) h.plan_c[i] = Rows::Compress::invalid();
+    for (uint32_t i = totals.row_w; i < h.cap_w; ++i) h.plan_w[i] = Rows::Write::invalid();
     raise_host_violation(op, status, first, h.tables, static_cast<const int64_t*>(seq_lens.data_ptr()),
                          static_cast<const int64_t*>(extend_lens.data_ptr()));
   }

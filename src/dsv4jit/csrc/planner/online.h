@@ -34,14 +34,14 @@ inline Tables checked_online_tables(const char* op, const Geometry& g, const Ten
 }
 
 /// A checked host-lengths online prefill: plan_c and plan_w both hold 16-byte segment rows.
-inline HostPrefillOf<CompressPlan> checked_online_host_prefill(const char* op, const TensorView& req_pool_indices,
-                                                               const Optional<TensorView>& req_to_token,
-                                                               const TensorView& seq_lens,
-                                                               const TensorView& extend_lens,
-                                                               const TensorView& plan_c, const TensorView& plan_w,
-                                                               int64_t num_q_tokens, int64_t state_slot_offset,
-                                                               bool use_cuda_graph, bool on_cuda) {
-  HostPrefillOf<CompressPlan> h;
+inline HostPrefillOf<OnlinePrefillRows> checked_online_host_prefill(const char* op, const TensorView& req_pool_indices,
+                                                                    const Optional<TensorView>& req_to_token,
+                                                                    const TensorView& seq_lens,
+                                                                    const TensorView& extend_lens,
+                                                                    const TensorView& plan_c, const TensorView& plan_w,
+                                                                    int64_t num_q_tokens, int64_t state_slot_offset,
+                                                                    bool use_cuda_graph, bool on_cuda) {
+  HostPrefillOf<OnlinePrefillRows> h;
   h.g = checked_online_geometry(op, state_slot_offset);
   Size batch{"batch_size"};
   h.tables = checked_online_tables(op, h.g, req_pool_indices, req_to_token, batch, h.dev, on_cuda);

@@ -30,13 +30,13 @@ struct RequestTable {
 template <>
 struct RequestTable<0> {};  // device lengths: the kernel builds the table itself
 
-/// WriteRow: WritePlan (ring planners) or CompressPlan (online segments, contract §2.5).
-template <typename WriteRow>
+/// Rows: RingPrefillRows or OnlinePrefillRows (rules.h), the row types of plan_c and plan_w.
+template <typename Rows>
 struct PrefillParamsOf {
   Geometry g;
   Tables tables;
-  CompressPlan* plan_c;
-  WriteRow* plan_w;
+  typename Rows::Compress* plan_c;
+  typename Rows::Write* plan_w;
   uint32_t cap_c, cap_w;          // rows the plan tensors hold
   uint32_t max_tokens;            // ragged ids must stay below num_q_tokens
   uint32_t num_requests;          // requests in this launch's table
@@ -48,7 +48,7 @@ struct PrefillParamsOf {
   const int64_t* extend_lens;
   int32_t* status;                // checked mode: status words (see plan_status), else nullptr
 };
-using PrefillParams = PrefillParamsOf<WritePlan>;
+using PrefillParams = PrefillParamsOf<RingPrefillRows>;
 
 struct DecodeParams {
   Geometry g;
@@ -159,8 +159,8 @@ DSV4_DEV uint32_t find_request(const SharedTable& s, uint32_t n, uint32_t k) {
   return lo;
 }
 
-template <bool kPDL, int kMaxRequests, typename WriteRow = WritePlan>
-__global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant__ PrefillParamsOf<WriteRow> p,
+template <bool kPDL, int kMaxRequests, typename Rows = RingPrefillRows>
+__global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant__ PrefillParamsOf<Rows> p,
                                                            const __grid_constant__ RequestTable<kMaxRequests> table) {
   __shared__ SharedTable s;
   pdl_wait_upstream<kPDL>();  // lengths and lookup tables may come from the previous kernel
@@ -201,8 +201,8 @@ __global__ __launch_bounds__(kThreads) void prefill_kernel(const __grid_constant
                            p.plan_c, p.cap_c, p.plan_w, p.cap_w);
     }
     if (p.pad) {
-      if (i >= pad_c && i < p.cap_c) p.plan_c[i] = CompressPlan::invalid();
-      if (i >= pad_w && i < p.cap_w) p.plan_w[i] = WriteRow::invalid();
+      if (i >= pad_c && i < p.cap_c) p.plan_c[i] = Rows::Compress::invalid();
+      if (i >= pad_w && i < p.cap_w) p.plan_w[i] = Rows::Write::invalid();
     }
   }
   report(p.status, status, first);
@@ -260,7 +260,7 @@ inline tvm::ffi::String describe_status(TensorView status, TensorView req_pool_i
 }
 
 template <bool kPDL>
-struct Planner {
+struct PlannerEntry {
   /// GPU-input prefill: lengths on the device; plans are [num_q_tokens, ...], rows past the
   /// totals invalid. No host sync; data-dependent violations are dropped and reported in status.
   static void prefill_device(TensorView req_pool_indices, Optional<TensorView> req_to_token,
@@ -272,7 +272,7 @@ struct Planner {
     Size batch{"batch_size"};
     Device dev;
     const Tables tables = checked_tables(op, g, req_pool_indices, req_to_token, full_to_state, batch, dev, true);
-    launch_device_lengths<WritePlan>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
+    launch_device_lengths<RingPrefillRows>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
   }
 
   /// Online c128 (contract §3.8) from device lengths: both plans [num_q_tokens, 16], invalid past the counts.
@@ -284,35 +284,35 @@ struct Planner {
     Size batch{"batch_size"};
     Device dev;
     const Tables tables = checked_online_tables(op, g, req_pool_indices, req_to_token, batch, dev, true);
-    launch_device_lengths<CompressPlan>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
+    launch_device_lengths<OnlinePrefillRows>(op, g, tables, batch, dev, seq_lens, extend_lens, plan_c, plan_w, status);
   }
 
-  template <typename WriteRow>
+  template <typename Rows>
   static void launch_device_lengths(const char* op, const Geometry& g, const Tables& tables, Size& batch,
                                     Device& dev, const TensorView& seq_lens, const TensorView& extend_lens,
                                     const TensorView& plan_c, const TensorView& plan_w,
                                     const Optional<TensorView>& status) {
     Size num_q{"num_q_tokens"};
-    PrefillParamsOf<WriteRow> p{};
+    PrefillParamsOf<Rows> p{};
     p.tables = tables;
     Check(op, "seq_lens", seq_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
     Check(op, "extend_lens", extend_lens).shape({batch}).dtype(dl::kI64).cuda(dev).contiguous();
-    check_plan_tensor(op, "plan_c", plan_c, num_q, sizeof(CompressPlan), dev, true);
-    check_plan_tensor(op, "plan_w", plan_w, num_q, sizeof(WriteRow), dev, true);
+    check_plan_tensor(op, "plan_c", plan_c, num_q, sizeof(typename Rows::Compress), dev, true);
+    check_plan_tensor(op, "plan_w", plan_w, num_q, sizeof(typename Rows::Write), dev, true);
     expect(batch.value <= kMaxDeviceBatch, op, "seq_lens",
            [&] { return "at most " + std::to_string(kMaxDeviceBatch) + " requests on the GPU-input path"; }, batch.value);
     expect(num_q.value <= kMaxTokens, op, "num_q_tokens", [&] { return "at most " + std::to_string(kMaxTokens); }, num_q.value);
     expect(batch.value <= num_q.value, op, "num_q_tokens", "at least the batch size", num_q.value);
     p.g = g;
-    p.plan_c = static_cast<CompressPlan*>(plan_c.data_ptr());
-    p.plan_w = static_cast<WriteRow*>(plan_w.data_ptr());
+    p.plan_c = static_cast<typename Rows::Compress*>(plan_c.data_ptr());
+    p.plan_w = static_cast<typename Rows::Write*>(plan_w.data_ptr());
     p.cap_c = p.cap_w = p.max_tokens = p.index_count = static_cast<uint32_t>(num_q.value);
     p.num_requests = static_cast<uint32_t>(batch.value);
     p.pad = true;
     p.seq_lens = static_cast<const int64_t*>(seq_lens.data_ptr());
     p.extend_lens = static_cast<const int64_t*>(extend_lens.data_ptr());
     p.status = plan_status(op, dev, status);
-    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0, WriteRow>,
+    launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL, prefill_kernel<kPDL, 0, Rows>,
            p, RequestTable<0>{});
   }
 
@@ -337,16 +337,16 @@ struct Planner {
                                           TensorView plan_w, Optional<TensorView> status, int64_t num_q_tokens,
                                           int64_t state_slot_offset, bool use_cuda_graph) {
     const char* op = kPrefillOnlineOp;
-    HostPrefillOf<CompressPlan> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
-                                                                extend_lens, plan_c, plan_w, num_q_tokens,
-                                                                state_slot_offset, use_cuda_graph, true);
+    HostPrefillOf<OnlinePrefillRows> h = checked_online_host_prefill(op, req_pool_indices, req_to_token, seq_lens,
+                                                                     extend_lens, plan_c, plan_w, num_q_tokens,
+                                                                     state_slot_offset, use_cuda_graph, true);
     launch_host_lengths(op, h, status, num_q_tokens, use_cuda_graph);
   }
 
-  template <typename WriteRow>
-  static void launch_host_lengths(const char* op, HostPrefillOf<WriteRow>& h, const Optional<TensorView>& status,
+  template <typename Rows>
+  static void launch_host_lengths(const char* op, HostPrefillOf<Rows>& h, const Optional<TensorView>& status,
                                   int64_t num_q_tokens, bool use_cuda_graph) {
-    PrefillParamsOf<WriteRow> p{};
+    PrefillParamsOf<Rows> p{};
     p.g = h.g;
     p.tables = h.tables;
     p.plan_c = h.plan_c;
@@ -373,18 +373,18 @@ struct Planner {
     } while (b0 < h.batch);
   }
 
-  template <int kMax, typename WriteRow>
-  static void launch_sized(const char* op, Device& dev, const PrefillParamsOf<WriteRow>& p,
+  template <int kMax, typename Rows>
+  static void launch_sized(const char* op, Device& dev, const PrefillParamsOf<Rows>& p,
                            const RequestEntry* entries, uint32_t n) {
     RequestTable<kMax> t{};
     // Entries keep absolute row and ragged bases, so chunks compose without rebasing.
     std::copy(entries, entries + n + 1, t.entries);
     launch(op, dev.dev, {div_ceil(p.index_count, kTokensPerBlock), kThreads}, kPDL,
-           prefill_kernel<kPDL, kMax, WriteRow>, p, t);
+           prefill_kernel<kPDL, kMax, Rows>, p, t);
   }
 
-  template <typename WriteRow>
-  static void launch_with_table(const char* op, Device& dev, PrefillParamsOf<WriteRow> p,
+  template <typename Rows>
+  static void launch_with_table(const char* op, Device& dev, PrefillParamsOf<Rows> p,
                                 const RequestEntry* entries, uint32_t n) {
     if (n <= 16) return launch_sized<16>(op, dev, p, entries, n);
     if (n <= 128) return launch_sized<128>(op, dev, p, entries, n);

@@ -179,33 +179,47 @@ DSV4_HD CompressPlan compress_row(const Geometry& g, const Lookup& lookup, uint3
 }
 
 /// Online (contract §3.8): the segment of the request's extend range that ends at `pos` (j = pos - prefix_len)
-/// and starts at the later of the extend start and the 128-chunk start. buffer_len is its length;
-/// read_page_0 the bank it stores to (rid + slot_offset), read_page_1 the committed bank it merges with.
+/// and starts at the later of the extend start and the 128-chunk start. It stores to the bank of
+/// this step (rid + slot_offset) and merges with the committed one (rid).
 template <typename Lookup>
-DSV4_HD CompressPlan segment_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t pos, int32_t j,
-                                 uint32_t rg) {
+DSV4_HD OnlinePlan segment_row(const Geometry& g, const Lookup& lookup, uint32_t batch_id, int32_t pos, int32_t j,
+                               uint32_t rg) {
   const int64_t rid = lookup.rid(batch_id);
-  return CompressPlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(rg),
-                      static_cast<uint16_t>(imin(j, pos % g.ratio) + 1), static_cast<int32_t>(rid + g.slot_offset),
-                      static_cast<int32_t>(rid)};
+  return OnlinePlan{static_cast<uint32_t>(pos + 1), static_cast<uint16_t>(rg),
+                    static_cast<uint16_t>(imin(j, pos % g.ratio) + 1), static_cast<int32_t>(rid + g.slot_offset),
+                    static_cast<int32_t>(rid)};
 }
+
+/// The row types of a prefill plan (plan_c, plan_w): the ring planners' compress events and token
+/// writes, or the online planner's segment rows in both (contract §2.5).
+template <typename CompressRow, typename WriteRow>
+struct PrefillRows {
+  using Compress = CompressRow;
+  using Write = WriteRow;
+};
+using RingPrefillRows = PrefillRows<CompressPlan, WritePlan>;
+using OnlinePrefillRows = PrefillRows<OnlinePlan, OnlinePlan>;
 
 /// Emit the rows of one extend token (ragged id rg, j-th token of request `batch_id`) into
 /// plan_c / plan_w at their CPU-order indices; rows at or beyond the capacities are dropped.
-/// WriteRow = WritePlan: ring planners; WriteRow = CompressPlan: online segments (contract §2.5).
-template <typename Lookup, typename WriteRow>
+/// OnlinePlan rows: online segments; CompressPlan and WritePlan rows: ring planners.
+template <typename Lookup, typename CompressRow, typename WriteRow>
 DSV4_HD int32_t emit_token(const Geometry& g, const Lookup& lookup, const Span& span, uint32_t batch_id,
-                           const RequestEntry& req, int32_t j, CompressPlan* plan_c, uint32_t cap_c,
+                           const RequestEntry& req, int32_t j, CompressRow* plan_c, uint32_t cap_c,
                            WriteRow* plan_w, uint32_t cap_w) {
-  constexpr bool kOnline = std::is_same_v<WriteRow, CompressPlan>;
+  constexpr bool kOnline = std::is_same_v<CompressRow, OnlinePlan>;
+  static_assert(kOnline == std::is_same_v<WriteRow, OnlinePlan>, "online plans hold segment rows in both");
   const int32_t pos = span.prefix_len + j;
   const uint32_t rg = req.ragged_base + static_cast<uint32_t>(j);
   int32_t status = 0;
   if (span.is_event(g, pos)) {
     const uint32_t idx = req.row_c + static_cast<uint32_t>(span.events_before(g, pos + 1) - 1);
     if (idx < cap_c) {
-      plan_c[idx] = kOnline ? segment_row(g, lookup, batch_id, pos, j, rg)
-                            : compress_row(g, lookup, batch_id, pos, j, rg);
+      if constexpr (kOnline) {
+        plan_c[idx] = segment_row(g, lookup, batch_id, pos, j, rg);
+      } else {
+        plan_c[idx] = compress_row(g, lookup, batch_id, pos, j, rg);
+      }
     } else {
       status |= kTokensDropped;
     }

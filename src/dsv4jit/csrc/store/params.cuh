@@ -9,7 +9,7 @@ namespace dsv4::store {
 
 struct Params {
   const void* kv;           // [rows, hd] DType
-  const void* plan;         // CompressPlan (prefill) or DecodePlan rows
+  const void* plan;         // CompressPlan or OnlinePlan (prefill) or DecodePlan rows
   const void* norm_weight;  // [hd] DType
   const float* freq;        // [max_pos, 64]: (cos, sin) interleaved per pair
   const void* out_loc;      // int32 or int64

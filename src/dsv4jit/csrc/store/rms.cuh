@@ -1,5 +1,5 @@
-// The RMS scale of a row: its sum of squares in the one canonical order every path that stores rows
-// shares, so that they agree bit for bit.
+// RMSNorm of a row: its sum of squares, in the one canonical order every path that stores rows
+// shares (so that they agree bit for bit), its RMS scale, and normalize().
 //
 // The order is defined on the 32-lane layout (lane l holds channels 128k + 4l .. +3 of chunk k):
 // each chunk's 4 channels chain their squares (fma, channel order), a lane adds its chunks' partials
@@ -64,6 +64,14 @@ DSV4_DEV float sum_squares(const float (&x)[G][4]) {
 template <Format F>
 DSV4_DEV float rms_scale(const Params& p, float sum_squares) {
   return 1.0f / sqrtf(__fadd_rn(sum_squares / Layout<F>::kHeadDim, p.eps));
+}
+
+/// Normalizes N channels of a row with the row's RMS scale `r`, in the reference's order
+/// (y = (x * r) * w, without fused multiply-adds).
+template <int N>
+DSV4_DEV void normalize(float (&x)[N], const float (&w)[N], float r) {
+#pragma unroll
+  for (int c = 0; c < N; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
 }
 
 }  // namespace dsv4::store

@@ -1,8 +1,9 @@
-// RMSNorm and RoPE of a row's channels: the normalization with the row's RMS scale, in the
-// reference's order, and the rotation of the trailing 64 dims (interleaved (re, im) pairs).
+// RoPE of a row's channels: the rotation of the trailing 64 dims (interleaved (re, im) pairs), and a
+// lane group's RMSNorm (rms.cuh) followed by that rotation, as the store steps apply them.
 #pragma once
 
 #include "layout.cuh"
+#include "rms.cuh"
 
 namespace dsv4::store {
 
@@ -13,24 +14,19 @@ DSV4_DEV void rotate(float& re, float& im, float cs, float sn) {
   im = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
 }
 
-/// Normalizes N channels of a row with the row's RMS scale `r`, in the reference's order
-/// (y = (x * r) * w, without fused multiply-adds), and rotates them as (re, im) pairs if they are
-/// rope dims (`freq`: their (cos, sin) pairs).
+/// RoPE of N channels as (re, im) pairs (`freq`: their (cos, sin) pairs).
 template <int N>
-DSV4_DEV void normalize(float (&x)[N], const float (&w)[N], float r, const float (&freq)[N], bool rope) {
+DSV4_DEV void rotate_pairs(float (&x)[N], const float (&freq)[N]) {
 #pragma unroll
-  for (int c = 0; c < N; ++c) x[c] = __fmul_rn(__fmul_rn(x[c], r), w[c]);
-  if (rope) {
-#pragma unroll
-    for (int pair = 0; pair < N / 2; ++pair) rotate(x[2 * pair], x[2 * pair + 1], freq[2 * pair], freq[2 * pair + 1]);
-  }
+  for (int pair = 0; pair < N / 2; ++pair) rotate(x[2 * pair], x[2 * pair + 1], freq[2 * pair], freq[2 * pair + 1]);
 }
 
-/// The 4 channels of virtual lane v (channels 4v .. +3) of a row of format F: normalize(), rotated
-/// if they lie in the trailing 64 dims.
+/// The 4 channels of virtual lane v (channels 4v .. +3) of a row of format F: normalize(), then
+/// rotate_pairs() if they lie in the trailing 64 dims.
 template <Format F>
 DSV4_DEV void normalize_group(int v, float (&x)[4], const float (&w)[4], float r, const float (&freq)[4]) {
-  normalize(x, w, r, freq, v >= Layout<F>::kRopeLane);
+  normalize(x, w, r);
+  if (v >= Layout<F>::kRopeLane) rotate_pairs(x, freq);
 }
 
 }  // namespace dsv4::store

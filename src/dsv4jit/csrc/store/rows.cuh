@@ -32,6 +32,7 @@ DSV4_DEV bool select(const Params& p, uint32_t row, int64_t& loc, int64_t& posit
     loc = load_loc(p, row);  // decode locations do not depend on the plan: load in parallel
     if ((seq_len & (p.ratio - 1)) != 0) return false;  // no compress event this step (R: 4 or 128)
   } else {
+    // an online segment row (OnlinePlan) has seq_len and ragged_id where CompressPlan has them
     const CompressPlan c = load_row(static_cast<const CompressPlan*>(p.plan), row);
     if (c.is_invalid()) return false;
     if (c.ragged_id >= p.out_loc_len) {

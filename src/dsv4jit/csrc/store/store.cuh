@@ -2,9 +2,10 @@
 // position seq_len - R) -> 128-point Hadamard (indexer) -> quantize -> paged cache store.
 //
 // The steps are the primitives of this folder, shared with the fused kernels (fused/fused.cuh):
-// rows.cuh (which rows, where), rms.cuh (the canonical sum of squares), rope.cuh, hadamard.cuh,
-// v4_codec.cuh and indexer_codec.cuh (quantize and write), over the layouts of layout.cuh. Here
-// one row store (load, select, normalize, rotate, check) runs the V4 or the indexer codec.
+// rows.cuh (which rows, where), rms.cuh (the canonical sum of squares, RMSNorm), rope.cuh,
+// hadamard.cuh, v4_codec.cuh and indexer_codec.cuh (quantize and write), over the layouts of
+// layout.cuh. Here one row store (load, select, normalize, rotate, check) runs the V4 or the
+// indexer codec.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -170,7 +171,7 @@ __global__ __launch_bounds__(K::kWarps * kWarpSize) void store_kernel(const __gr
 }
 
 template <typename DType, Format F, bool kPDL>
-struct NormRopeStore {
+struct NormRopeStoreEntry {
   using L = Layout<F>;
 
   /// Large indexer batches: rows on fewer lanes (each row's scalar work — plan, location, RMS

@@ -9,6 +9,7 @@
 #include "common/vec.cuh"
 #include "common/warp.cuh"
 #include "layout.cuh"
+#include "rms.cuh"
 #include "rope.cuh"
 
 namespace dsv4::store {
@@ -79,7 +80,8 @@ template <Format F>
 DSV4_DEV void store_tile(const Slot& slot, int tile, float (&x)[2], const float (&w)[2], float r,
                          const float (&freq)[2], int lane) {
   static_assert(!Layout<F>::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
-  normalize(x, w, r, freq, tile == Layout<F>::kHeadDim / 64 - 1);  // the last tile holds the rope dims
+  normalize(x, w, r);
+  if (tile == Layout<F>::kHeadDim / 64 - 1) rotate_pairs(x, freq);  // the last tile holds the rope dims
   write_v4<F>(slot, 64 * tile + 2 * lane, encode_v4<F>(64 * tile + 2 * lane, x));
 }
 
