@@ -27,7 +27,6 @@ struct LaunchShape {
   dim3 grid;
   dim3 block;
   size_t smem = 0;
-  unsigned cluster = 1;  // blocks per thread-block cluster along x (sm_90+); grid.x must be a multiple
 };
 
 /// Launch `kernel` on the current stream of `device`. Empty grids launch nothing. The caller
@@ -41,15 +40,11 @@ void launch(const char* op, DLDevice device, LaunchShape shape, bool pdl, void (
   config.blockDim = shape.block;
   config.dynamicSmemBytes = shape.smem;
   config.stream = current_stream(device);
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   config.attrs = attr;
   if (pdl) {
     attr[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (shape.cluster > 1) {
-    attr[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attr[config.numAttrs++].val.clusterDim = {shape.cluster, 1, 1};
   }
   check_cuda(op, cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch");
 }

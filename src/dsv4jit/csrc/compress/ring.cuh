@@ -301,8 +301,7 @@ struct Kernels {
     // hold the block's slot through the others' stores (the block's life is the plan round trip).
     if (Sink::kHoldersOnly && !pooled && !last_warp && lane.warp_in_unit >= M) return;
     // A sink that takes no row off a boundary (the store step: the row is not stored) leaves the
-    // token's warp alone. The same for every block of a row, so a cluster's blocks leave without
-    // waiting for each other.
+    // token's warp alone (the same for every block of a row).
     const bool idle = !Sink::kTakesIdleRows && !boundary && plan.seq_len % kRatio != 0;
     if (idle && !last_warp) return;
     if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {

@@ -13,7 +13,7 @@
 //   block units (ring c128): a block pools one 64-channel slice of a row and writes it to the
 //             row's line of a scratch buffer; the last of the row's 8 blocks to finish (a counter
 //             per row) stores the row with the store kernel's own row step. No block waits for
-//             another, which a thread-block cluster sharing the partials made them do.
+//             another.
 //   slices in turn (online prefill): one block pools a row's 8 slices one after another, gathers
 //             the row in shared memory and stores it as one-warp chunks
 //
@@ -321,8 +321,8 @@ struct PoolLaunch {
 };
 
 /// The online c128 compressor's passes (compress/online.cuh), head_dim 512: prefill pool or decode. A
-/// prefill segment row spans 8 slice units, which one block pools in turn (a cluster of 8 blocks
-/// per row pays only where the two steps are faster still: ops/fused.py).
+/// prefill segment row spans 8 slice units, which one block pools in turn (below 129 rows the two
+/// steps are faster: ops/fused.py).
 template <typename BufferT, store::Format F, bool kPDL, bool kDecode>
 struct OnlinePass {
   static constexpr int kHeadDim = 512;

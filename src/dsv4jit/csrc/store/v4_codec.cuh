@@ -73,16 +73,4 @@ DSV4_DEV void write_v4(const Slot& slot, int dim, const V4Dims<N>& d) {
   }
 }
 
-/// One 64-dim tile of a V4 row, held by 32 lanes x 2 channels (lane l: dims 64·tile + 2l, +1):
-/// normalized with the row's RMS scale `r`, rotated if it is the rope tile, encoded and written
-/// (the c128 fused path's blocks).
-template <Format F>
-DSV4_DEV void store_tile(const Slot& slot, int tile, float (&x)[2], const float (&w)[2], float r,
-                         const float (&freq)[2], int lane) {
-  static_assert(!Layout<F>::kIndexer, "indexer rows need the whole row in one warp (Hadamard)");
-  normalize(x, w, r);
-  if (tile == Layout<F>::kHeadDim / 64 - 1) rotate_pairs(x, freq);  // the last tile holds the rope dims
-  write_v4<F>(slot, 64 * tile + 2 * lane, encode_v4<F>(64 * tile + 2 * lane, x));
-}
-
 }  // namespace dsv4::store
