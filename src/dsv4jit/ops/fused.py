@@ -174,8 +174,9 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         if is_online:
             fused_online_op(*args, eps, common.num_q_tokens(plan))
         else:
-            counts = (plan_row_counts(plan[1]) if block_units(compress_ratio, is_online)
-                      and plan.is_decode and kv_score_input.is_cuda else None)
+            one_kernel = runs_fused(compress_ratio, is_online, plan.is_decode, plan[1].shape[0])
+            counts = (plan_row_counts(plan[1]) if block_units(compress_ratio, is_online) and one_kernel
+                      and kv_score_input.is_cuda else None)
             fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan), counts)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
