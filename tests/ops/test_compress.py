@@ -178,6 +178,24 @@ def test_decode_batch_mixed_boundaries(device, config):
         sc.decode(order if step % 2 else rids, out=None if step == 2 else "poison")
 
 
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_c128_decode_batch_of_many_requests(device):
+    """c128 decode batches of more requests than one ranking chunk of plan rows (512) and more pool
+    units than the grid has blocks: a third of 700 requests at a boundary (shuffled batch order), then
+    none, then all of them."""
+    n = 700
+    sc = _scenario(device, C128_128, num_reqs=n, max_ctx=260, seed=13)
+    rids = list(range(n))
+    random.Random(13).shuffle(rids)
+    sc.prefill(rids, [127 if r % 3 == 0 else 1 + r % 100 for r in rids])
+    sc.decode(rids)  # the requests r % 3 == 0 close their first window
+    assert sum(sc.events) == len(range(0, n, 3))
+    sc.decode(rids)  # none closes one
+    sc.prefill(rids, [255 - sc.lens[r] if r % 3 == 0 else 127 - sc.lens[r] for r in rids])
+    sc.decode(rids)  # every request closes one
+    assert sum(sc.events) == len(range(0, n, 3)) + n
+
+
 # ------------------------------------------------------------------------------------------------
 # 6. dtypes: state {fp32, bf16} x input {fp32, bf16, fp16}; explicit out of another dtype
 # ------------------------------------------------------------------------------------------------

@@ -146,6 +146,19 @@ def test_fused_c128_calls_of_many_rows(device):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_fused_c128_decode_batch_of_many_requests(device):
+    """A ring c128 decode batch of more rows than one ranking chunk (512) and more pool units than the
+    grid has blocks: a third of 600 requests at a boundary, then none."""
+    n = 600
+    tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=13, num_locs=64 * 1024)
+    rids = list(range(n))
+    tw.prefill(rids, [127 if r % 3 == 0 else 1 + r % 100 for r in rids])
+    tw.decode(rids)
+    tw.decode(rids)
+    assert tw.stored_steps == 1
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
 def test_fused_padded_cuda_graph_plans(device):
     """use_cuda_graph prefill plans (invalid padding rows) and GPU-resident lengths (bucket-sized plans)."""
     tw = Twin(device, C4_PAGED_8, "v4_fp8")

@@ -7,6 +7,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
 
+#include <atomic>
 #include <utility>
 
 namespace dsv4 {
@@ -47,6 +48,18 @@ void launch(const char* op, DLDevice device, LaunchShape shape, bool pdl, void (
     attr[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
   }
   check_cuda(op, cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch");
+}
+
+/// The SMs of `device`, asked once per device (grids of resident blocks size themselves by it).
+inline int multiprocessors(const char* op, DLDevice device) {
+  static std::atomic<int> counts[64] = {};
+  std::atomic<int>* known = device.device_id >= 0 && device.device_id < 64 ? &counts[device.device_id] : nullptr;
+  if (known != nullptr && known->load(std::memory_order_relaxed) > 0) return known->load(std::memory_order_relaxed);
+  int count = 0;
+  check_cuda(op, cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device.device_id),
+             "cudaDeviceGetAttribute");
+  if (known != nullptr) known->store(count, std::memory_order_relaxed);
+  return count;
 }
 
 inline unsigned div_ceil(uint64_t a, uint64_t b) { return static_cast<unsigned>((a + b - 1) / b); }

@@ -9,12 +9,16 @@
 // Prefill runs two launches in stream order: pool (reads the ring as it was before this step),
 // then write (stores this step's tokens); writes may alias rows the pool pass still reads.
 // Decode is one launch: each request's current token is written and, at a boundary, pooled from
-// registers (it is the window's last slot), the other slots from the ring.
+// registers (it is the window's last slot), the other slots from the ring. c128 decode runs a grid
+// of resident blocks for large batches, which store every token, then pool only the units of rows
+// at a boundary.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
+
+#include <algorithm>
 
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
@@ -280,8 +284,9 @@ struct Kernels {
     store_state_row(p, v, row, channel);
   }
 
-  /// Decode: write the current token; at a boundary pool the whole window from the ring (the
-  /// last slot straight from registers: same values the ring now holds); else zero the output.
+  /// Decode, a block per unit (c4, and c128 batches of a few waves of blocks): write the current
+  /// token; at a boundary pool the whole window from the ring (the last slot straight from
+  /// registers: same values the ring now holds); else zero the output.
   /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and every
   /// window slot at once, the token store behind them. The pooling comes after all of them.
   template <typename Sink>
@@ -294,7 +299,7 @@ struct Kernels {
     const DecodePlan plan = load_row(static_cast<const DecodePlan*>(p.plan), lane.row);
     // Every field is needed before the first branch, so the row arrives in one round trip. The
     // masks equal the remainders for write_loc >= 0, the only rows that go on.
-    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : (plan.write_loc & (kRatio - 1)) == kRatio - 1;
+    const bool boundary = W::kOverlap ? plan.seq_len % kRatio == 0 : at_window_end(plan);
     const bool pooled = boundary && pages_in_range(p, plan.read_page_0, plan.read_page_1);
     constexpr int M = Sink::kMergeWarps;
     // Off boundary most of a c128 unit's warps have nothing to do: they leave at once rather than
@@ -304,7 +309,7 @@ struct Kernels {
     // token's warp alone (the same for every block of a row).
     const bool idle = !Sink::kTakesIdleRows && !boundary && plan.seq_len % kRatio != 0;
     if (idle && !last_warp) return;
-    if (plan.write_loc < 0 || plan.write_loc >= p.num_pages * kRatio) {
+    if (!write_loc_ok(p, plan)) {
       if (lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kWriteLocOutOfRange);
       return;
     }
@@ -326,11 +331,7 @@ struct Kernels {
       load_bias(p, lane, bias);
       if (last_warp) {
         load_window<kSlots - 1>(p, src, lane, bias, kv, z);
-        // The last slot is the token, through BufferT exactly as a read-back of the ring would be.
-        constexpr int s = W::kSlots - 1;
-        slot_values(convert_vec<BufferT>(token[W::kv_col(s) / kHeadDim]),
-                    convert_vec<BufferT>(token[W::score_col(s) / kHeadDim]), bias[kSlots - 1], kv[kSlots - 1],
-                    z[kSlots - 1]);
+        token_slot(token, bias[kSlots - 1], kv[kSlots - 1], z[kSlots - 1]);
       } else {
         load_window<kSlots>(p, src, lane, bias, kv, z);
       }
@@ -349,6 +350,198 @@ struct Kernels {
     }
     sink.emit(merged_lane<M>(lane), holds, v);
   }
+
+  static DSV4_DEV bool write_loc_ok(const Params& p, const DecodePlan& plan) {
+    return plan.write_loc >= 0 && plan.write_loc < p.num_pages * kRatio;
+  }
+
+  /// kv and z of the window's last slot from this step's token (its column groups, load_token),
+  /// through BufferT exactly as a read-back of the ring would be.
+  static DSV4_DEV void token_slot(const Vec<InT, C> (&token)[W::kGroups], const Vec<InT, C>& bias, float (&kv)[C],
+                                  float (&z)[C]) {
+    constexpr int s = W::kSlots - 1;
+    slot_values(convert_vec<BufferT>(token[W::kv_col(s) / kHeadDim]),
+                convert_vec<BufferT>(token[W::score_col(s) / kHeadDim]), bias, kv, z);
+  }
+
+  // ---- c128 decode: a grid of resident blocks shares the batch ------------------------------
+  // A c128 window spans 8 slice units of a whole block each, but in a real batch about one request
+  // in 128 closes a window: a block per (request, slice) would spend most of its life reading a plan
+  // row that says "store your token and leave", wave after wave. For batches beyond a few such waves
+  // (resident_decode) a grid of the blocks the SMs hold (decode_grid) shares the work instead. Every
+  // block ranks the rows that have pool units (a block-wide count over all plan rows, the same in
+  // every block) and pools the units (row, slice) numbered 8·rank + slice ≡ blockIdx.x (mod grid),
+  // from block 0 up; a unit's last warp stores its slice of the row's token. Then the last
+  // token_blocks() blocks store the tokens of the other rows, kTokensInFlight parts of token rows a
+  // warp. The pool reads the window's last slot from the input, never from the ring row the token
+  // goes to.
+
+  static constexpr int kTokenParts = W::kGroups * W::kSlices;  // a warp's share of a token row
+  static constexpr int kTokensInFlight = 4;                     // token parts a warp loads at once
+  static constexpr int kQueue = 32;                             // pool units of a block per chunk
+  static constexpr int kChunkRows = kThreads;                   // plan rows a block ranks at once
+  /// The grid's lower bound: no block then takes more than kQueue units of a chunk.
+  static constexpr unsigned kMinDecodeGrid = W::kSlices * kChunkRows / kQueue;
+
+  /// The blocks at the end of a grid of `grid` that store the tokens of `rows` requests.
+  static DSV4_HD uint64_t token_blocks(uint64_t rows, uint64_t grid) {
+    const uint64_t per_block = uint64_t{kTokensInFlight} * W::kWarpsPerUnit / kTokenParts;  // rows
+    const uint64_t blocks = (rows + per_block - 1) / per_block;
+    return blocks < grid ? blocks : grid;
+  }
+
+  /// Whether a row has pool units: at a boundary, or (a sink that takes no idle rows: the store
+  /// step, which stores every row whose seq_len closes a window) any row the store step stores.
+  template <typename Sink>
+  static DSV4_DEV bool takes_units(const DecodePlan& plan) {
+    return at_window_end(plan) || (!Sink::kTakesIdleRows && plan.seq_len % kRatio == 0);
+  }
+
+  /// The token goes to the window's last ring row (write_loc in range).
+  static DSV4_DEV bool at_window_end(const DecodePlan& plan) { return (plan.write_loc & (kRatio - 1)) == kRatio - 1; }
+
+  template <typename Sink>
+  static DSV4_DEV void decode_resident(const Params& p, Sink& sink) {
+    static_assert(kUnitsPerBlock == 1 && W::kWarpsPerUnit * kWarpSize == kThreads);
+    pdl_wait_upstream<kPDL>();
+    DecodePlan first{};
+    if (threadIdx.x < p.num_rows) first = load_row(static_cast<const DecodePlan*>(p.plan), threadIdx.x);
+    pdl_launch_dependents<kPDL>();
+    pool_units(p, sink, first);
+    store_tokens(p, sink);
+  }
+
+  /// The token of every row without pool units into its ring row (and, for compress_forward, a
+  /// zero output row): items (row, part) over the warps of the token blocks, kTokensInFlight loaded
+  /// at once (no branch between the loads: a warp past the last item loads row 0, stores nothing).
+  template <typename Sink>
+  static DSV4_DEV void store_tokens(const Params& p, Sink& sink) {
+    const uint32_t from_end = gridDim.x - 1 - blockIdx.x;
+    const uint32_t blocks = static_cast<uint32_t>(token_blocks(p.num_rows, gridDim.x));
+    if (from_end >= blocks) return;
+    const uint64_t items = uint64_t{p.num_rows} * kTokenParts, warps = uint64_t{blocks} * W::kWarpsPerUnit;
+    const auto* plans = static_cast<const DecodePlan*>(p.plan);
+    const auto* input = static_cast<const InT*>(p.input);
+    for (uint64_t first = uint64_t{from_end} * W::kWarpsPerUnit + threadIdx.x / kWarpSize; first < items;
+         first += kTokensInFlight * warps) {
+      DecodePlan plan[kTokensInFlight];
+      Vec<InT, C> token[kTokensInFlight];
+#pragma unroll
+      for (int i = 0; i < kTokensInFlight; ++i) {
+        const uint64_t item = first + i * warps < items ? first + i * warps : 0;
+        const uint64_t row = item / kTokenParts;
+        const int part = static_cast<int>(item % kTokenParts);
+        plan[i] = load_row(plans, row);
+        token[i] = load_vec<C>(input + row * W::kRowWidth + part / W::kSlices * kHeadDim +
+                               Lane::first_channel(part % W::kSlices));
+      }
+#pragma unroll
+      for (int i = 0; i < kTokensInFlight; ++i) {
+        const uint64_t item = first + i * warps;
+        const uint32_t row = static_cast<uint32_t>(item / kTokenParts);
+        const int part = static_cast<int>(item % kTokenParts), group = part / W::kSlices;
+        const int channel = Lane::first_channel(part % W::kSlices);
+        if (item < items && write_loc_ok(p, plan[i]) && !takes_units<Sink>(plan[i])) {
+          store_vec(static_cast<BufferT*>(p.state) + int64_t{plan[i].write_loc} * W::kRowWidth + group * kHeadDim +
+                        channel,
+                    convert_vec<BufferT>(token[i]));
+          if constexpr (Sink::kTakesIdleRows) {
+            if (group == 0) {
+              const float zero[C] = {};
+              sink.emit(Lane{row, 0, channel}, true, zero);  // rows off a boundary are zero-filled
+            }
+          }
+        } else if (item < items && !write_loc_ok(p, plan[i]) && part == 0 && threadIdx.x % kWarpSize == 0) {
+          report_status(p, kWriteLocOutOfRange);
+        }
+      }
+    }
+  }
+
+  /// The block's pool units: plan rows ranked a chunk at a time (`plan`: this thread's row of the
+  /// first chunk, loaded). Little lives in registers across a unit (the pool takes all 64).
+  template <typename Sink>
+  static DSV4_DEV void pool_units(const Params& p, Sink& sink, DecodePlan plan) {
+    struct Unit {
+      DecodePlan plan;
+      uint32_t row;
+      int slice;
+    };
+    __shared__ Unit queue[kQueue];
+    __shared__ uint32_t warp_counts[W::kWarpsPerUnit];
+    __shared__ uint32_t queued, ranked;  // this chunk's units of the block; rows with units before it
+    if (threadIdx.x == 0) ranked = 0;
+    for (uint32_t base = 0; base < p.num_rows; base += kChunkRows) {
+      const uint32_t row = base + threadIdx.x;
+      if (base > 0 && row < p.num_rows) plan = load_row(static_cast<const DecodePlan*>(p.plan), row);
+      const bool takes = row < p.num_rows && write_loc_ok(p, plan) && takes_units<Sink>(plan);
+      const int warp = threadIdx.x / kWarpSize, l = threadIdx.x % kWarpSize;
+      const uint32_t ballot = __ballot_sync(kFullMask, takes);
+      if (l == 0) warp_counts[warp] = __popc(ballot);
+      if (threadIdx.x == 0) queued = 0;
+      __syncthreads();
+      uint32_t rank = ranked + __popc(ballot & ((1u << l) - 1)), chunk = 0;
+#pragma unroll
+      for (int w = 0; w < W::kWarpsPerUnit; ++w) {
+        const uint32_t n = warp_counts[w];
+        if (w < warp) rank += n;
+        chunk += n;
+      }
+      if (takes) {  // the one slice of this row whose unit number is blockIdx.x modulo the grid (>= 8 blocks)
+        const uint32_t slice = (blockIdx.x + gridDim.x - uint64_t{rank} * W::kSlices % gridDim.x) % gridDim.x;
+        if (slice < W::kSlices) queue[atomicAdd(&queued, 1u)] = {plan, row, static_cast<int>(slice)};
+      }
+      __syncthreads();  // the queue is complete, and every thread has read `ranked`
+      if (threadIdx.x == 0) ranked += chunk;
+      for (uint32_t i = 0; i < queued; ++i) {
+        const Unit u = queue[i];
+        const Lane lane{u.row, static_cast<int>(threadIdx.x / kWarpSize), Lane::first_channel(u.slice)};
+        float v[C / Sink::kMergeWarps];
+        const bool holds = pool_unit_of_row(p, u.plan, lane, sink, v);
+        // The merge has read the exchange buffer: the next unit may write it while the holders hand
+        // this one to the sink (the store step's row store overlaps the next unit's loads).
+        __syncthreads();
+        sink.emit(merged_lane<Sink::kMergeWarps>(lane), holds, v);
+      }
+    }
+  }
+
+  /// One pool unit (row, slice) of a row with units, its pooled values in `v` (true in the threads
+  /// that hold them); the unit's last warp stores the token's slice. Every thread of the block
+  /// calls it.
+  template <typename Sink>
+  static DSV4_DEV bool pool_unit_of_row(const Params& p, const DecodePlan& plan, const Lane& lane, Sink& sink,
+                                        float (&v)[C / Sink::kMergeWarps]) {
+    constexpr int M = Sink::kMergeWarps;
+    const bool boundary = at_window_end(plan);
+    const bool pooled = boundary && pages_in_range(p, plan.read_page_0, plan.read_page_1);
+    const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
+    Vec<InT, C> token[W::kGroups];
+    if (last_warp) load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
+    sink.prepare(lane);
+    if constexpr (requires { sink.at_boundary(lane, plan.seq_len); }) {
+      if (boundary) sink.at_boundary(lane, plan.seq_len);
+    }
+    if (!pooled) {  // a boundary row whose page is out of range (or a row the store step takes) gets zeros
+      if (last_warp) store_state_row(p, token, plan.write_loc, lane.channel);
+      if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kStatePageOutOfRange);
+#pragma unroll
+      for (int c = 0; c < C / M; ++c) v[c] = 0.0f;
+      return lane.warp_in_unit < M;
+    }
+    const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
+    Bias bias;
+    load_bias(p, lane, bias);
+    float kv[kSlots][C], z[kSlots][C];
+    if (last_warp) {
+      load_window<kSlots - 1>(p, src, lane, bias, kv, z);
+      token_slot(token, bias[kSlots - 1], kv[kSlots - 1], z[kSlots - 1]);
+      store_state_row(p, token, plan.write_loc, lane.channel);  // behind the window loads
+    } else {
+      load_window<kSlots>(p, src, lane, bias, kv, z);
+    }
+    return reduce_unit<M>(lane, kv, z, v);
+  }
 };
 
 template <typename K>
@@ -366,6 +559,13 @@ template <typename K>
 __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(const __grid_constant__ Params p) {
   typename K::OutputRows sink{p};
   K::decode(p, K::Lane::of(K::kUnitsPerBlock, K::W::kWarpsPerUnit), sink);
+}
+
+/// A kernel of its own: the two decode paths' registers never meet.
+template <typename K>
+__global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_resident_kernel(const __grid_constant__ Params p) {
+  typename K::OutputRows sink{p};
+  K::decode_resident(p, sink);
 }
 
 /// Host entry points of one instantiation (checks every tensor before any launch).
@@ -410,8 +610,36 @@ struct CompressEntry : CompressorEntryBase<CompressEntry<kRatio, kHeadDim, Buffe
 
   static unsigned write_blocks(uint64_t rows) { return blocks(rows, K::kWriteUnitsPerBlock); }
 
+  /// Whether a decode of `rows` rows runs the grid of resident blocks (decode_resident): c128 rows
+  /// that a block per unit would take more than kMaxDecodeWaves waves of blocks to cover. Up to it
+  /// the block-per-unit grid measured as fast or faster (whole model steps of 16 and 128 requests;
+  /// 256 requests all at a boundary, where the resident blocks pool their units one after another);
+  /// beyond it each wave of blocks costs a plan round trip (docs/performance.md).
+  static bool resident_decode(const char* op, DLDevice dev, uint64_t rows) {
+    return W::kWarpsPerUnit > 1 && rows * W::kSlices > kMaxDecodeWaves * resident_blocks(op, dev);
+  }
+  static constexpr uint64_t kMaxDecodeWaves = 8;
+
+  static uint64_t resident_blocks(const char* op, DLDevice dev) {
+    return static_cast<uint64_t>(multiprocessors(op, dev)) * K::kMinBlocks;
+  }
+
+  /// A block per unit, or the resident blocks (at least kMinDecodeGrid, at most a block per unit).
+  static unsigned decode_grid(const char* op, DLDevice dev, uint64_t rows, bool resident) {
+    if (!resident) return blocks(rows, K::kUnitsPerBlock);
+    return static_cast<unsigned>(
+        std::min(rows * W::kSlices, std::max<uint64_t>(resident_blocks(op, dev), K::kMinDecodeGrid)));
+  }
+
   static void launch_decode(const char* op, const Device& dev, const Params& p) {
-    launch(op, dev.dev, {blocks(p.num_rows, K::kUnitsPerBlock), K::kThreads}, kPDL, decode_kernel<K>, p);
+    if constexpr (W::kWarpsPerUnit > 1) {
+      if (resident_decode(op, dev.dev, p.num_rows)) {
+        launch(op, dev.dev, {decode_grid(op, dev.dev, p.num_rows, true), K::kThreads}, kPDL,
+               decode_resident_kernel<K>, p);
+        return;
+      }
+    }
+    launch(op, dev.dev, {decode_grid(op, dev.dev, p.num_rows, false), K::kThreads}, kPDL, decode_kernel<K>, p);
   }
 };
 

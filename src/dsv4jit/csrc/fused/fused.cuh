@@ -227,6 +227,15 @@ __global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void pool_and_sto
   Pass::pool(p.c, sink);
 }
 
+/// The pass on the grid of resident blocks (ring c128 decode: Pass::pool_resident).
+template <typename Pass>
+__global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void resident_pool_and_store_kernel(
+    const __grid_constant__ Params<typename Pass::Params> p) {
+  __shared__ typename Pass::Step::Shared sh;
+  auto sink = Pass::Step::sink(p, sh);
+  Pass::pool_resident(p.c, sink);
+}
+
 /// Slices in turn: a block pools one row's slices one after another (the compress kernels' units
 /// with the block as every slice's unit) and gathers them in shared memory; after the last slice
 /// its first warps hand the row to the store step as one-warp 128-channel chunks.
@@ -280,6 +289,7 @@ struct RingPass {
   using W = typename K::W;
   using Params = compress::Params;
   static constexpr bool kBlockUnits = W::kWarpsPerUnit > 1;
+  static constexpr bool kDecodePass = kDecode;
   using Step = std::conditional_t<kBlockUnits, LastSliceStores<InT, F, kPDL, W::kSlices>,
                                   StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>>;
   static constexpr int kThreads = K::kThreads;
@@ -295,6 +305,11 @@ struct RingPass {
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
     pool_block(c, sink, blockIdx.x);
+  }
+  /// A large ring c128 decode on the grid of resident blocks (PoolLaunch).
+  template <typename Sink>
+  static DSV4_DEV void pool_resident(const Params& c, Sink& sink) {
+    K::decode_resident(c, sink);
   }
   /// As block `block` of the pass (fused/layer.cuh runs two passes in one grid).
   template <typename Sink>
@@ -316,6 +331,15 @@ struct PoolLaunch {
   static constexpr bool kBlockUnits = Pass::kBlockUnits;
   template <typename P>
   static void run(const char* op, DLDevice dev, bool pdl, const P& p) {
+    if constexpr (Pass::kBlockUnits) {  // ring c128 (a RingPass)
+      if constexpr (Pass::kDecodePass) {
+        if (Compressor::resident_decode(op, dev, p.c.num_rows)) {  // a large decode
+          launch(op, dev, {Compressor::decode_grid(op, dev, p.c.num_rows, true), Pass::kThreads}, pdl,
+                 resident_pool_and_store_kernel<Pass>, p);
+          return;
+        }
+      }
+    }
     launch(op, dev, Pass::shape(p.c.num_rows), pdl, pool_and_store_kernel<Pass>, p);
   }
 };
