@@ -116,11 +116,26 @@ struct Kernels {
   template <int C, typename P>
   static DSV4_DEV void load_token(const P& p, int64_t ragged_row, int offset, int channel, float (&kv)[C],
                                   float (&z)[C]) {
+    load_token_scores(p, ragged_row, channel, kv, z);
+    add_ape(p, offset, channel, z);
+  }
+
+  /// kv and the score of one input token, before its ape row (whose offset may not be known yet).
+  template <int C, typename P>
+  static DSV4_DEV void load_token_scores(const P& p, int64_t ragged_row, int channel, float (&kv)[C],
+                                         float (&score)[C]) {
     const float* row = p.input + ragged_row * 2 * kHeadDim + channel;
     const Vec<float, C> k = load_vec<C>(row), sc = load_vec<C>(row + kHeadDim);
+#pragma unroll
+    for (int c = 0; c < C; ++c) kv[c] = k[c], score[c] = sc[c];
+  }
+
+  /// score -> z = score + ape[offset].
+  template <int C, typename P>
+  static DSV4_DEV void add_ape(const P& p, int offset, int channel, float (&z)[C]) {
     const Vec<float, C> bias = load_vec<C>(p.ape + offset * kHeadDim + channel);
 #pragma unroll
-    for (int c = 0; c < C; ++c) kv[c] = k[c], z[c] = sc[c] + bias[c];
+    for (int c = 0; c < C; ++c) z[c] += bias[c];
   }
 
   // ---- decode ---------------------------------------------------------------------------------

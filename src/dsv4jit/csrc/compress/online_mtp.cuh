@@ -2,10 +2,10 @@
 // around a verify step. The pool holds banks of `stride` state rows: bank 0 the requests' main
 // states, bank k the state after the first k draft tokens.
 //
-//   write_prefix_states: unit = (request, 128-channel slice), one warp, 16-byte lanes (as online
-//                        decode). Continue the request's main state (reset at chunk offset 0) with
-//                        its V draft tokens, storing the state after token k in bank k + 1 unless
-//                        that prefix closes a 128-token chunk.
+//   write_prefix_states: unit = (request, 32-channel slice), one warp, a channel a lane. Continue
+//                        the request's main state (reset at chunk offset 0) with its V draft
+//                        tokens, storing the state after token k in bank k + 1 unless that prefix
+//                        closes a 128-token chunk.
 //   mark_pending       : one launch: each block resets its range of pending lengths, then records
 //                        the batch's lengths that fall in its range (no grid-wide ordering needed).
 //   commit_pending     : unit = one request, one warp: copy the accepted prefix's draft state into
@@ -71,15 +71,26 @@ struct Params {
 template <int kHeadDim, typename BufferT, bool kPDL>
 struct Kernels {
   using K = online::Kernels<kHeadDim, BufferT, kPDL>;
-  static constexpr int C = K::kDecodeC;
+  // One channel a lane: a request's V steps of merges and stores run in a warp per 32 channels, so
+  // a small verify batch spreads its serial chain over as many threads as it has channels.
+  static constexpr int C = 1;
   static constexpr int kUnitsPerBlock = 4;
   static constexpr int kThreads = kUnitsPerBlock * kWarpSize;
-  using Lane = typename K::DecodeLane;
+  using Lane = typename K::template Lane<C>;
 
   static DSV4_DEV void write_prefix(const Params& p) {
     const Lane lane = Lane::of(kUnitsPerBlock, 1);
     pdl_wait_upstream<kPDL>();  // lengths, tokens and states may come from the kernels just before
     if (lane.row >= p.batch) return;
+    // The draft tokens' rows do not depend on the lengths: they load beside them, and only the state
+    // and the ape rows wait for the length (two round trips, the second one small).
+    float kv[kMaxVerifyTokens][C], z[kMaxVerifyTokens][C];
+#pragma unroll
+    for (int i = 0; i < kMaxVerifyTokens; ++i) {
+      if (i < p.num_verify_tokens) {
+        K::template load_token_scores<C>(p, int64_t{lane.row} * p.num_verify_tokens + i, lane.channel, kv[i], z[i]);
+      }
+    }
     const int64_t seq = p.seq_lens[lane.row], slot = p.req_pool_indices[lane.row];
     if (seq < 0 || slot < 0 || slot >= p.stride) {
       if (lane.channel == 0) report_status(p, kBadRequest);
@@ -88,13 +99,9 @@ struct Kernels {
     const int start = static_cast<int>(seq % kChunk);
     SoftmaxPartial<C> run{};
     if (start != 0) run = K::template load_state<C>(p, slot, lane.channel);  // continues its chunk
-    float kv[kMaxVerifyTokens][C], z[kMaxVerifyTokens][C];
 #pragma unroll
     for (int i = 0; i < kMaxVerifyTokens; ++i) {
-      if (i < p.num_verify_tokens) {
-        K::template load_token<C>(p, int64_t{lane.row} * p.num_verify_tokens + i, (start + i) % kChunk,
-                                  lane.channel, kv[i], z[i]);
-      }
+      if (i < p.num_verify_tokens) K::template add_ape<C>(p, (start + i) % kChunk, lane.channel, z[i]);
     }
     pdl_launch_dependents<kPDL>();
 #pragma unroll
