@@ -148,18 +148,28 @@ BAD = [  # (change of arguments, error, the argument it names)
     (lambda L, x: {"indexer_page_size": 64.0}, TypeError, "indexer_page_size"),
     (lambda L, x: {"norm_eps": -1.0}, ValueError, "norm_eps"),
     (lambda L, x: {"indexer_ape": "ape"}, TypeError, "indexer_ape"),
+    # the fast path of a signature seen before converts float ape and weights only
+    (lambda L, x: {"ape": L.a["ape"].to(torch.int32)}, TypeError, "ape"),
 ]
+# dtypes the kernels refuse (the torch references compute in any)
+BAD_CUDA = [
+    (lambda L, x: {"indexer_norm_weight": L.a["indexer_norm_weight"].to(torch.int64)}, TypeError,
+     "indexer_norm_weight"),
+    (lambda L, x: {"freq_cis": torch.view_as_real(L.freq_cis).flatten(-2).double()}, TypeError, "freq_cis"),
+]
+CASES = ([pytest.param("cpu", case, id=f"cpu-{i}") for i, case in enumerate(BAD)]
+         + [pytest.param("cuda", case, id=f"cuda-{i}", marks=CUDA.marks) for i, case in enumerate(BAD + BAD_CUDA)])
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("case", range(len(BAD)))
+@pytest.mark.parametrize("device, case", CASES)
 def test_layer_bad_arguments(device, case):
     layer = Layer(device, 3, seed=4)
     layer.done = [20, 30, 40]
     seq = torch.tensor([21, 31, 41], device=device)
     plan = CompressorDecodePlan.generate(4, layer.rid, layer.r2t, layer.f2s, seq, SPS, RING)
     x, locs = layer.inputs(3), layer.out_locs(3)
-    change, error, name = BAD[case]
+    layer.layer(layer.b, plan, x, locs)  # a good call first: on CUDA the bad one meets the fast path
+    change, error, name = case
     before = {k: v.clone() for k, v in layer.b.items()}
     with pytest.raises(error, match=rf"^dsv4jit\.compress_and_store_c4_layer: argument '{name}'"):
         layer.layer(layer.b, plan, x, locs, **change(layer, x))

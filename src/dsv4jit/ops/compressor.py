@@ -78,7 +78,7 @@ def launcher(fn, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Op
             raise ValueError("plan of another compress ratio")
         if ape_dtype is not None:
             ape = ape.to(ape_dtype)
-        rows = plan[1]
+        rows = plan.plan_d if decode else plan.plan_c
         if out is None:
             out = torch.empty((rows.shape[0], head_dim), dtype=out_dtype, device=kv_score_input.device)
         if decode:

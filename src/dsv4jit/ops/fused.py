@@ -134,7 +134,7 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
             and type(norm_eps) is float and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
             launch = _FAST[(plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online,
-                            kv_score_buffer.dtype, kv_score_input.dtype, ape.dtype, norm_weight.dtype, freq_cis.dtype,
+                            kv_score_buffer.dtype, kv_score_input.dtype, ape.dtype, norm_weight.dtype,
                             kv_score_input.device)]
             return launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc,
                           kvcache, page_size)
@@ -183,8 +183,9 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
             common.check_freq(op, freq_cis)))
     if not library.tracing() and kv_score_input.is_cuda and not runtime.checks_enabled():
+        # freq_cis takes no part: the kernels read either form of the table and check its dtype
         key = (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer.dtype,
-               kv_score_input.dtype, ape.dtype, norm_weight.dtype, freq_cis.dtype, kv_score_input.device)
+               kv_score_input.dtype, ape.dtype, norm_weight.dtype, kv_score_input.device)
         name, params = _choice(is_online, compress_ratio, fmt, kv_score_buffer, kv_score_input)
         fn = runtime.function(name, "run", kv_score_input.device, **params)
         _FAST[key] = _launcher(fn, compress_ratio, head_dim, plan.is_decode, is_online,
@@ -206,6 +207,8 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
     """The fast path's call of a resolved signature (ape and the norm weight converted where the
     kernel reads another dtype); it raises, before any launch, what the full path then explains."""
     one_kernel = functools.partial(runs_fused, compress_ratio, is_online, decode)
+    # runs_fused alike for no rows and for any number: the choice is the signature's, made once here
+    always = None if one_kernel(0) != one_kernel(1 << 31) else one_kernel(0)
     blocks = block_units(compress_ratio, is_online)
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache,
@@ -216,8 +219,8 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
             ape = ape.to(ape_dtype)
         if weight_dtype is not None:
             norm_weight = norm_weight.to(weight_dtype)
-        rows = plan[1]
-        if not one_kernel(rows.shape[0]):
+        rows = plan.plan_d if decode else plan.plan_c
+        if always is False or (always is None and not one_kernel(rows.shape[0])):
             buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
             counts = None
         elif blocks:

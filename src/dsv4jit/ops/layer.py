@@ -61,8 +61,7 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
             and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
             launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv_score_buffer.dtype, kv_score_input.dtype,
-                            ape.dtype, norm_weight.dtype, indexer_ape.dtype, indexer_norm_weight.dtype,
-                            freq_cis.dtype, kv_score_input.device)]
+                            kv_score_input.device)]
             return launch(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size,
                           indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight,
                           indexer_out_loc, indexer_kvcache, indexer_page_size, plan, freq_cis, norm_eps)
@@ -107,8 +106,8 @@ def _layer(given: dict) -> None:
         same = {name for name in ("out_loc", "page_size") if g["indexer_" + name] is g[name]}
         raise _reworded(e, same) from None
     if not library.tracing() and g["kv_score_input"].is_cuda and not runtime.checks_enabled():
-        key = (plan.__class__, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"].dtype, dtype, g["ape"].dtype,
-               g["norm_weight"].dtype, g["indexer_ape"].dtype, g["indexer_norm_weight"].dtype, g["freq_cis"].dtype,
+        # what picks the kernel; the launcher converts ape and the weights, the kernel checks freq_cis
+        key = (plan.__class__, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"].dtype, dtype,
                g["kv_score_input"].device)
         name, params = _choice(core_format, indexer_format, g["kv_score_buffer"], g["kv_score_input"])
         _FAST[key] = _launcher(runtime.function(name, "run", g["kv_score_input"].device, **params), dtype)
@@ -188,20 +187,27 @@ def _launcher(fn, row_dtype: torch.dtype):
         if plan.__class__ is tuple:
             ratio, rows, plan_w, num_q = plan
         else:
-            ratio, rows = plan.compress_ratio, plan[1]
-            plan_w = None if plan.__class__ is CompressorDecodePlan else plan.plan_w
+            decode = plan.__class__ is CompressorDecodePlan
+            ratio, rows = plan.compress_ratio, plan.plan_d if decode else plan.plan_c
+            plan_w = None if decode else plan.plan_w
             num_q = -1 if plan_w is None or plan.num_q_tokens is None else plan.num_q_tokens
         if ratio != RATIO:
             raise ValueError("not a c4 plan")
         if ape.dtype != row_dtype:
-            ape = ape.to(row_dtype)
+            ape = _as_rows(ape, row_dtype)
         if i_ape.dtype != row_dtype:
-            i_ape = i_ape.to(row_dtype)
+            i_ape = _as_rows(i_ape, row_dtype)
         if weight.dtype != row_dtype:
-            weight = weight.to(row_dtype)
+            weight = _as_rows(weight, row_dtype)
         if i_weight.dtype != row_dtype:
-            i_weight = i_weight.to(row_dtype)
+            i_weight = _as_rows(i_weight, row_dtype)
         fn(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight, i_out_loc,
            i_kvcache, i_page_size, rows, plan_w, freq_cis, norm_eps, num_q, status)
 
     return launch
+
+
+def _as_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A floating-point ape or norm weight in the rows' dtype, as the full path converts it; a tensor
+    of another dtype goes as it is, for the kernel's check to name."""
+    return t.to(dtype) if t.dtype.is_floating_point else t

@@ -45,8 +45,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     if (type(page_size) is int and type(norm_eps) is float and 0.0 < norm_eps < math.inf and layout == "v4"
             and fp8_2buff is False and kvcache_rope is None and not library.tracing()):
         try:
-            launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype,
-                            freq_cis.dtype, kv.device)]
+            launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device)]
             return launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size)
         except (KeyError, AttributeError, TypeError, ValueError, IndexError):
             pass  # a new signature, or an error the full path explains
@@ -81,8 +80,9 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
     if not library.tracing() and kv.is_cuda and not runtime.checks_enabled():
         name, params = kernel(common.dtype_name(kv, "kv", op, STATE_DTYPES), fmt)
         fn = runtime.function(name, "run", kv.device, **params)
-        _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, freq_cis.dtype,
-               kv.device)] = _launcher(fn, kv.dtype)
+        # freq_cis takes no part: the kernel reads either form of the table and checks its dtype
+        _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device)] = _launcher(
+            fn, kv.dtype)
 
 
 def _launcher(fn, dtype: torch.dtype):
