@@ -218,22 +218,18 @@ struct LastSliceStores {
 };
 
 /// A pool pass with the store step as its sink. Pass: the compressor's parameters (Params),
-/// the launch bounds and shape, the store step (Step) and pool(), the pass itself.
-template <typename Pass>
+/// the launch bounds and shape, the store step (Step) and pool(), the pass itself; kResident: the
+/// pass on the grid of resident blocks (ring c128 decode: Pass::pool_resident), a kernel of its own.
+template <typename Pass, bool kResident = false>
 __global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void pool_and_store_kernel(
     const __grid_constant__ Params<typename Pass::Params> p) {
   __shared__ typename Pass::Step::Shared sh;
   auto sink = Pass::Step::sink(p, sh);
-  Pass::pool(p.c, sink);
-}
-
-/// The pass on the grid of resident blocks (ring c128 decode: Pass::pool_resident).
-template <typename Pass>
-__global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void resident_pool_and_store_kernel(
-    const __grid_constant__ Params<typename Pass::Params> p) {
-  __shared__ typename Pass::Step::Shared sh;
-  auto sink = Pass::Step::sink(p, sh);
-  Pass::pool_resident(p.c, sink);
+  if constexpr (kResident) {
+    Pass::pool_resident(p.c, sink);
+  } else {
+    Pass::pool(p.c, sink);
+  }
 }
 
 /// Slices in turn: a block pools one row's slices one after another (the compress kernels' units
@@ -335,7 +331,7 @@ struct PoolLaunch {
       if constexpr (Pass::kDecodePass) {
         if (Compressor::resident_decode(op, dev, p.c.num_rows)) {  // a large decode
           launch(op, dev, {Compressor::decode_grid(op, dev, p.c.num_rows, true), Pass::kThreads}, pdl,
-                 resident_pool_and_store_kernel<Pass>, p);
+                 pool_and_store_kernel<Pass, true>, p);
           return;
         }
       }
