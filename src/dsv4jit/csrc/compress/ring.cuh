@@ -9,9 +9,9 @@
 // Prefill runs two launches in stream order: pool (reads the ring as it was before this step),
 // then write (stores this step's tokens); writes may alias rows the pool pass still reads.
 // Decode is one launch: each request's current token is written and, at a boundary, pooled from
-// registers (it is the window's last slot), the other slots from the ring. c128 decode runs a grid
-// of resident blocks for large batches, which store every token, then pool only the units of rows
-// at a boundary.
+// registers (it is the window's last slot), the other slots from the ring. A large c128 decode runs
+// on a grid of resident blocks instead, which pool only the units of rows at a boundary (those
+// units store their rows' tokens), then store the other rows' tokens (decode_resident).
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
