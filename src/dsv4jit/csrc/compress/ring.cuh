@@ -10,8 +10,8 @@
 // then write (stores this step's tokens); writes may alias rows the pool pass still reads.
 // Decode is one launch: each request's current token is written and, at a boundary, pooled from
 // registers (it is the window's last slot), the other slots from the ring. A large c128 decode runs
-// on a grid of resident blocks instead, which pool only the units of rows at a boundary (those
-// units store their rows' tokens), then store the other rows' tokens (decode_resident).
+// on a grid of resident blocks instead, which store every token, then pool only the units of rows
+// at a boundary (decode_resident).
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -368,13 +368,13 @@ struct Kernels {
   // A c128 window spans 8 slice units of a whole block each, but in a real batch about one request
   // in 128 closes a window: a block per (request, slice) would spend most of its life reading a plan
   // row that says "store your token and leave", wave after wave. For batches beyond a few such waves
-  // (resident_decode) a grid of the blocks the SMs hold (decode_grid) shares the work instead. Every
-  // block ranks the rows that have pool units (a block-wide count over all plan rows, the same in
-  // every block) and pools the units (row, slice) numbered 8·rank + slice ≡ blockIdx.x (mod grid),
-  // from block 0 up; a unit's last warp stores its slice of the row's token. Then the last
-  // token_blocks() blocks store the tokens of the other rows, kTokensInFlight parts of token rows a
-  // warp. The pool reads the window's last slot from the input, never from the ring row the token
-  // goes to.
+  // (resident_decode) a grid of the blocks the SMs hold (decode_grid) shares the work instead, in
+  // one round trip for the tokens: every block loads its share of the token rows (with their plan
+  // rows) beside its row of the first plan chunk, and stores the tokens. Then every block ranks the
+  // rows that have pool units (a block-wide count over all plan rows, the same in every block) and
+  // pools the units (row, slice) numbered 8·rank + slice ≡ blockIdx.x (mod grid), from block 0 up.
+  // The pool reads the window's last slot from the input, never from the ring row the token went
+  // to, so the token stores need not wait for it.
 
   static constexpr int kTokenParts = W::kGroups * W::kSlices;  // a warp's share of a token row
   static constexpr int kTokensInFlight = 4;                     // token parts a warp loads at once
@@ -382,13 +382,6 @@ struct Kernels {
   static constexpr int kChunkRows = kThreads;                   // plan rows a block ranks at once
   /// The grid's lower bound: no block then takes more than kQueue units of a chunk.
   static constexpr unsigned kMinDecodeGrid = W::kSlices * kChunkRows / kQueue;
-
-  /// The blocks at the end of a grid of `grid` that store the tokens of `rows` requests.
-  static DSV4_HD uint64_t token_blocks(uint64_t rows, uint64_t grid) {
-    const uint64_t per_block = uint64_t{kTokensInFlight} * W::kWarpsPerUnit / kTokenParts;  // rows
-    const uint64_t blocks = (rows + per_block - 1) / per_block;
-    return blocks < grid ? blocks : grid;
-  }
 
   /// Whether a row has pool units: at a boundary, or (a sink that takes no idle rows: the store
   /// step, which stores every row whose seq_len closes a window) any row the store step stores.
@@ -407,22 +400,19 @@ struct Kernels {
     DecodePlan first{};
     if (threadIdx.x < p.num_rows) first = load_row(static_cast<const DecodePlan*>(p.plan), threadIdx.x);
     pdl_launch_dependents<kPDL>();
-    pool_units(p, sink, first);
     store_tokens(p, sink);
+    pool_units(p, sink, first);
   }
 
-  /// The token of every row without pool units into its ring row (and, for compress_forward, a
-  /// zero output row): items (row, part) over the warps of the token blocks, kTokensInFlight loaded
+  /// Every row's token into its ring row (and, for compress_forward, a zero output row for each
+  /// row without pool units): items (row, part) over every warp of the grid, kTokensInFlight loaded
   /// at once (no branch between the loads: a warp past the last item loads row 0, stores nothing).
   template <typename Sink>
   static DSV4_DEV void store_tokens(const Params& p, Sink& sink) {
-    const uint32_t from_end = gridDim.x - 1 - blockIdx.x;
-    const uint32_t blocks = static_cast<uint32_t>(token_blocks(p.num_rows, gridDim.x));
-    if (from_end >= blocks) return;
-    const uint64_t items = uint64_t{p.num_rows} * kTokenParts, warps = uint64_t{blocks} * W::kWarpsPerUnit;
+    const uint64_t items = uint64_t{p.num_rows} * kTokenParts, warps = uint64_t{gridDim.x} * W::kWarpsPerUnit;
     const auto* plans = static_cast<const DecodePlan*>(p.plan);
     const auto* input = static_cast<const InT*>(p.input);
-    for (uint64_t first = uint64_t{from_end} * W::kWarpsPerUnit + threadIdx.x / kWarpSize; first < items;
+    for (uint64_t first = uint64_t{blockIdx.x} * W::kWarpsPerUnit + threadIdx.x / kWarpSize; first < items;
          first += kTokensInFlight * warps) {
       DecodePlan plan[kTokensInFlight];
       Vec<InT, C> token[kTokensInFlight];
@@ -441,17 +431,17 @@ struct Kernels {
         const uint32_t row = static_cast<uint32_t>(item / kTokenParts);
         const int part = static_cast<int>(item % kTokenParts), group = part / W::kSlices;
         const int channel = Lane::first_channel(part % W::kSlices);
-        if (item < items && write_loc_ok(p, plan[i]) && !takes_units<Sink>(plan[i])) {
+        if (item < items && write_loc_ok(p, plan[i])) {
           store_vec(static_cast<BufferT*>(p.state) + int64_t{plan[i].write_loc} * W::kRowWidth + group * kHeadDim +
                         channel,
                     convert_vec<BufferT>(token[i]));
           if constexpr (Sink::kTakesIdleRows) {
-            if (group == 0) {
+            if (group == 0 && !takes_units<Sink>(plan[i])) {
               const float zero[C] = {};
               sink.emit(Lane{row, 0, channel}, true, zero);  // rows off a boundary are zero-filled
             }
           }
-        } else if (item < items && !write_loc_ok(p, plan[i]) && part == 0 && threadIdx.x % kWarpSize == 0) {
+        } else if (item < items && part == 0 && threadIdx.x % kWarpSize == 0) {
           report_status(p, kWriteLocOutOfRange);
         }
       }
@@ -507,8 +497,7 @@ struct Kernels {
   }
 
   /// One pool unit (row, slice) of a row with units, its pooled values in `v` (true in the threads
-  /// that hold them); the unit's last warp stores the token's slice. Every thread of the block
-  /// calls it.
+  /// that hold them). Every thread of the block calls it.
   template <typename Sink>
   static DSV4_DEV bool pool_unit_of_row(const Params& p, const DecodePlan& plan, const Lane& lane, Sink& sink,
                                         float (&v)[C / Sink::kMergeWarps]) {
@@ -523,7 +512,6 @@ struct Kernels {
       if (boundary) sink.at_boundary(lane, plan.seq_len);
     }
     if (!pooled) {  // a boundary row whose page is out of range (or a row the store step takes) gets zeros
-      if (last_warp) store_state_row(p, token, plan.write_loc, lane.channel);
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kStatePageOutOfRange);
 #pragma unroll
       for (int c = 0; c < C / M; ++c) v[c] = 0.0f;
@@ -536,7 +524,6 @@ struct Kernels {
     if (last_warp) {
       load_window<kSlots - 1>(p, src, lane, bias, kv, z);
       token_slot(token, bias[kSlots - 1], kv[kSlots - 1], z[kSlots - 1]);
-      store_state_row(p, token, plan.write_loc, lane.channel);  // behind the window loads
     } else {
       load_window<kSlots>(p, src, lane, bias, kv, z);
     }
