@@ -5,9 +5,9 @@ pays on the CPU when the host, not the GPU, is the slower side.
 
 Method: the GPU is kept busy by a long sleep kernel, then N calls are enqueued and timed on the host
 (the GPU work of a call never enters its figure); the median of several such batches. The floor is a
-bare tvm-ffi call of an (almost) empty kernel. ``--against MODULE`` times another implementation of
-the same API (same names and signatures; an op it lacks is timed as the two calls it replaces) on
-identical inputs, side by side.
+bare tvm-ffi call of an (almost) empty kernel, timed again beside every case. ``--against MODULE``
+times another implementation of the same API (same names and signatures; an op it lacks is timed as
+the two calls it replaces) on identical inputs, side by side: the batches of a row take turns.
 """
 
 from __future__ import annotations
@@ -30,20 +30,24 @@ SPS = 256        # swa_page_size of the pool
 PAGE = {4: 64, 128: 2}
 
 
-def host_time_us(fn: Callable[[], object], calls: int = CALLS, batches: int = BATCHES) -> float:
-    """Median over batches of the host time per call, `calls` calls enqueued behind a sleeping GPU."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(batches):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start = time.perf_counter()
-        for _ in range(calls):
+def host_times_us(fns: list[Callable[[], object]], calls: int = CALLS, batches: int = BATCHES) -> list[float]:
+    """Median over batches of the host time per call of each of `fns`, `calls` calls enqueued behind a
+    sleeping GPU. Their batches take turns, so a host that speeds up or slows down during the run
+    (clocks, other processes) moves every figure of a row alike."""
+    for fn in fns:
+        for _ in range(3):
             fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
+    torch.cuda.synchronize()
+    per_call: list[list[float]] = [[] for _ in fns]
+    for _ in range(batches):
+        for fn, times in zip(fns, per_call):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return [statistics.median(times) for times in per_call]
 
 
 class Inputs:
@@ -209,18 +213,20 @@ def run(only: str = "", against: str | None = None) -> list[timing.Row]:
         apis[against] = importlib.import_module(against)
     per_api = {name: cases(api) for name, api in apis.items()}
     floor_name, floor = floor_case()
-    floor_us = host_time_us(floor)
-    rows = [timing.Row.best_of("host", floor_name, {"host": floor_us}, ("host",))]
+    rows = [timing.Row.best_of("host", floor_name, {"host": host_times_us([floor])[0]}, ("host",))]
     for case in per_api["dsv4jit"]:
         if only not in case:
             continue
-        times = {"host": host_time_us(per_api["dsv4jit"][case])}
+        # the floor again beside each case: "× floor" compares figures of one stretch of the run
+        other = [per_api[against][case]] if against and case in per_api[against] else []
+        floor_us, ours, *theirs = host_times_us([floor, per_api["dsv4jit"][case]] + other)
+        times = {"host": ours}
         row = timing.Row.best_of("host", case, times, ("host",))
-        row.ratios["× floor"] = times["host"] / floor_us
-        if against and case in per_api[against]:  # > 1: dsv4jit spends less host time
-            times[f"host {against}"] = host_time_us(per_api[against][case])
+        row.ratios["× floor"] = ours / floor_us
+        if theirs:  # > 1: dsv4jit spends less host time
+            times[f"host {against}"] = theirs[0]
             row.times = dict(times)
-            row.ratios[f"{against} / dsv4jit"] = times[f"host {against}"] / times["host"]
+            row.ratios[f"{against} / dsv4jit"] = theirs[0] / ours
         rows.append(row)
     return rows
 
