@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4jit import compress_and_store, compress_forward, compress_norm_rope_store
+from dsv4jit import CompressorDecodePlan, compress_and_store, compress_forward, compress_norm_rope_store
 from dsv4jit.ops import fused as fused_ops
 from helpers.compress_scenario import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, CUDA_MARKS, DEVICES
 from helpers.fused_twin import MAX_CTX, Twin, fused_entries
@@ -260,7 +260,6 @@ def test_fused_decode_across_a_boundary(device, config_format):
 def test_c128_stores_v4_rows_only():
     """c128 rows are V4 latent rows: the indexer formats (head_dim 128) are rejected up front, and the
     kernel catalogue holds no variant that could not build."""
-    from dsv4jit import CompressorDecodePlan
     from dsv4jit.jit.kernels import SPECS
 
     plan = CompressorDecodePlan(128, torch.zeros(0, 16, dtype=torch.uint8))
@@ -292,5 +291,38 @@ def test_plan_scratch_lives_with_the_plan_rows():
     gc.collect()
     kept = len(fused_ops._SCRATCH)
     del rows, counts, scratch, same
+    gc.collect()
+    assert len(fused_ops._SCRATCH) == kept - 1
+
+
+def test_fast_path_reuses_the_scratch_of_the_plan_it_last_saw():
+    """The eager fast path of ring c128 decode passes the scratch and counters kept with the call's
+    plan: the same tensors while the plan stays, the next plan's when it changes, and it does not keep
+    a plan's scratch alive."""
+    import gc
+
+    seen = []
+    launch = fused_ops._launcher(lambda *args: seen.append(args[5:7]), 128, 512, True, False, None, None,
+                                 torch.float32)
+    x = torch.zeros(1)
+
+    def call(plan):
+        launch(x, x, x, plan, x, 1e-6, x, x, x, 2)
+        return seen[-1]
+
+    first = CompressorDecodePlan(128, torch.zeros(3, 16, dtype=torch.uint8))
+    second = CompressorDecodePlan(128, torch.zeros(4, 16, dtype=torch.uint8))
+    buffer, counts = call(first)
+    kept_buffer, kept_counts = fused_ops.row_scratch(first.plan_d, 512, torch.float32)
+    assert buffer is kept_buffer and counts is kept_counts
+    del kept_buffer, kept_counts
+    assert call(first)[0] is buffer and call(first)[1] is counts
+    other = call(second)
+    assert other[0].shape == (4, 512) and other[1] is fused_ops.plan_row_counts(second.plan_d)
+    assert call(first)[0] is buffer
+    gc.collect()
+    kept = len(fused_ops._SCRATCH)
+    del first, buffer, counts
+    seen.clear()
     gc.collect()
     assert len(fused_ops._SCRATCH) == kept - 1

@@ -210,6 +210,17 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
     # runs_fused alike for no rows and for any number: the choice is the signature's, made once here
     always = None if one_kernel(0) != one_kernel(1 << 31) else one_kernel(0)
     blocks = block_units(compress_ratio, is_online)
+    # The scratch of the plan last seen (weak: it goes with the plan): the calls of a step's layers
+    # share one plan, and an identity check costs less host time than the lookup in row_scratch.
+    last_plan = [(lambda: None, None, None)]
+
+    def scratch_of(rows):
+        seen, buffer, counts = last_plan[0]
+        if seen() is rows and (buffer := buffer()) is not None and (counts := counts()) is not None:
+            return buffer, counts
+        buffer, counts = row_scratch(rows, head_dim, row_dtype)
+        last_plan[0] = (weakref.ref(rows), weakref.ref(buffer), weakref.ref(counts))
+        return buffer, counts
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache,
                page_size):
@@ -224,7 +235,7 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
             buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
             counts = None
         elif blocks:
-            buffer, counts = row_scratch(rows, head_dim, row_dtype)
+            buffer, counts = scratch_of(rows)
         else:
             buffer = counts = None
         if decode:
