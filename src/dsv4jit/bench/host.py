@@ -13,6 +13,7 @@ the two calls it replaces) on identical inputs, side by side: the batches of a r
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import statistics
 import time
@@ -23,8 +24,8 @@ import torch
 from .. import runtime
 from . import report, timing
 
-CALLS = 100      # calls per timed batch
-BATCHES = 9      # batches; the median is reported
+CALLS = 100      # calls per timed batch (a few hundred launches queued behind the sleep at most)
+BATCHES = 15     # batches; the median is reported
 SLEEP_CYCLES = 60_000_000  # about 30 ms of GPU time: longer than a batch of the slowest call
 SPS = 256        # swa_page_size of the pool
 PAGE = {4: 64, 128: 2}
@@ -39,14 +40,20 @@ def host_times_us(fns: list[Callable[[], object]], calls: int = CALLS, batches: 
             fn()
     torch.cuda.synchronize()
     per_call: list[list[float]] = [[] for _ in fns]
-    for _ in range(batches):
-        for fn, times in zip(fns, per_call):
-            torch.cuda._sleep(SLEEP_CYCLES)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - start) / calls * 1e6)
-            torch.cuda.synchronize()
+    collecting = gc.isenabled()
+    gc.disable()  # a collection inside a batch is no call's cost (as timeit does)
+    try:
+        for _ in range(batches):
+            for fn, times in zip(fns, per_call):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - start) / calls * 1e6)
+                torch.cuda.synchronize()
+    finally:
+        if collecting:
+            gc.enable()
     return [statistics.median(times) for times in per_call]
 
 
