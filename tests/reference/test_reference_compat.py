@@ -242,15 +242,19 @@ DECODE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("name", list(DECODE_ERRORS))
-def test_decode_argument_errors(name):
-    paged, overrides, exc, match = DECODE_ERRORS[name]
-    args = _decode_args(paged)
+def _assert_rejected(op, args: dict, case: tuple) -> None:
+    """`op` on `args` with the case's overrides raises the case's error and leaves the state as it was."""
+    _, overrides, exc, match = case
     args.update(overrides)
     before = args["kv_score_buffer"].clone()
     with pytest.raises(exc, match=match):
-        flash_c4_decode(**args)
+        op(**args)
     assert torch.equal(args["kv_score_buffer"], before), "a rejected call changed the state"
+
+
+@pytest.mark.parametrize("name", list(DECODE_ERRORS))
+def test_decode_argument_errors(name):
+    _assert_rejected(flash_c4_decode, _decode_args(DECODE_ERRORS[name][0]), DECODE_ERRORS[name])
 
 
 PREFILL_ERRORS = {
@@ -292,13 +296,7 @@ PREFILL_ERRORS = {
 
 @pytest.mark.parametrize("name", list(PREFILL_ERRORS))
 def test_prefill_argument_errors(name):
-    paged, overrides, exc, match = PREFILL_ERRORS[name]
-    args = _prefill_args(paged)
-    args.update(overrides)
-    before = args["kv_score_buffer"].clone()
-    with pytest.raises(exc, match=match):
-        flash_c4_prefill(**args)
-    assert torch.equal(args["kv_score_buffer"], before), "a rejected call changed the state"
+    _assert_rejected(flash_c4_prefill, _prefill_args(PREFILL_ERRORS[name][0]), PREFILL_ERRORS[name])
 
 
 @pytest.mark.parametrize("paged", MODES)

@@ -86,13 +86,24 @@ def plan_row_counts(plan_rows: torch.Tensor) -> torch.Tensor:
     return _kept(plan_rows)["counts"]
 
 
+#: The last row_scratch answer, weakly (it goes with the plan): the calls of a step's layers share one
+#: plan, and an identity check costs less host time than the lookup in _SCRATCH.
+_LAST_SCRATCH = [(lambda: None, 0, None, lambda: None, lambda: None)]
+
+
 def row_scratch(plan_rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple:
     """(scratch [plan rows, head_dim] of `dtype`, plan_row_counts) for the fast path's ring c128 calls."""
+    seen, dim, kind, rows, counts = _LAST_SCRATCH[0]
+    if (seen() is plan_rows and dim == head_dim and kind is dtype and (rows := rows()) is not None
+            and (counts := counts()) is not None):
+        return rows, counts
     mine = _kept(plan_rows)
     rows = mine.get(dtype)
     if rows is None or rows.shape[1] != head_dim:
         rows = mine[dtype] = torch.empty((plan_rows.shape[0], head_dim), dtype=dtype, device=plan_rows.device)
-    return rows, mine["counts"]
+    counts = mine["counts"]
+    _LAST_SCRATCH[0] = (weakref.ref(plan_rows), head_dim, dtype, weakref.ref(rows), weakref.ref(counts))
+    return rows, counts
 
 
 def kernel(compress_ratio: int, store_format: str, state: str, input: str) -> KernelChoice:
@@ -210,17 +221,6 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
     # runs_fused alike for no rows and for any number: the choice is the signature's, made once here
     always = None if one_kernel(0) != one_kernel(1 << 31) else one_kernel(0)
     blocks = block_units(compress_ratio, is_online)
-    # The scratch of the plan last seen (weak: it goes with the plan): the calls of a step's layers
-    # share one plan, and an identity check costs less host time than the lookup in row_scratch.
-    last_plan = [(lambda: None, None, None)]
-
-    def scratch_of(rows):
-        seen, buffer, counts = last_plan[0]
-        if seen() is rows and (buffer := buffer()) is not None and (counts := counts()) is not None:
-            return buffer, counts
-        buffer, counts = row_scratch(rows, head_dim, row_dtype)
-        last_plan[0] = (weakref.ref(rows), weakref.ref(buffer), weakref.ref(counts))
-        return buffer, counts
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache,
                page_size):
@@ -235,7 +235,7 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
             buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
             counts = None
         elif blocks:
-            buffer, counts = scratch_of(rows)
+            buffer, counts = row_scratch(rows, head_dim, row_dtype)
         else:
             buffer = counts = None
         if decode:
