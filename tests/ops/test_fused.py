@@ -146,16 +146,19 @@ def test_fused_c128_calls_of_many_rows(device):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
-def test_fused_c128_decode_batch_of_many_requests(device):
-    """A ring c128 decode batch of more rows than one ranking chunk (512) and more pool units than the
-    grid has blocks: a third of 600 requests at a boundary, then none."""
-    n = 600
-    tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=13, num_locs=64 * 1024)
+@pytest.mark.parametrize("n", [200, 600])
+def test_fused_c128_decode_batch_of_many_requests(device, n):
+    """Ring c128 decode batches of several waves of a block per unit (200 requests) and of the resident
+    blocks ranking more rows than one chunk (600 > 512): a third of the requests at a boundary, then
+    none, then all of them."""
+    tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=13, num_locs=128 * 1024)
     rids = list(range(n))
     tw.prefill(rids, [127 if r % 3 == 0 else 1 + r % 100 for r in rids])
-    tw.decode(rids)
-    tw.decode(rids)
-    assert tw.stored_steps == 1
+    tw.decode(rids)  # the requests r % 3 == 0 close their first window
+    tw.decode(rids)  # none closes one
+    tw.prefill(rids, [255 - tw.sc.lens[r] if r % 3 == 0 else 127 - tw.sc.lens[r] for r in rids])
+    tw.decode(rids)  # every request closes one
+    assert tw.stored_steps == 2
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])

@@ -132,7 +132,8 @@ def _remember(kind, plan, head_dim, compress_ratio, is_online, buffer, inputs, a
     fn = runtime.function(name, "decode" if plan.is_decode else "prefill", inputs.device, **params)
     row_dtype = kind.row_dtype(inputs.dtype)
     _FAST[key] = compressor.launcher(fn, compress_ratio, head_dim, plan.is_decode,
-                                     None if ape.dtype == row_dtype else row_dtype, row_dtype)
+                                     None if ape.dtype == row_dtype else row_dtype,
+                                     None if inputs.dtype == row_dtype else row_dtype)
 
 
 @library.custom_op("compress", mutates_args=("kv_score_buffer", "out"))

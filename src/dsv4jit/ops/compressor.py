@@ -68,10 +68,11 @@ def run(kind: Kind, op: str, kv_score_buffer: torch.Tensor, kv_score_input: torc
 
 
 def launcher(fn, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Optional[torch.dtype],
-             out_dtype: torch.dtype) -> Callable:
+             out_dtype: Optional[torch.dtype]) -> Callable:
     """The eager fast path's call of a resolved signature: `fn` the kernel export, `ape_dtype` the dtype
-    ape is converted to (None: passed as it is), `out_dtype` that of an allocated output. It raises
-    (before any launch) what the full path then explains."""
+    ape is converted to (None: passed as it is), `out_dtype` that of an allocated output (None: the
+    input's, allocated by new_empty, which parses no keywords). It raises (before any launch) what the
+    full path then explains."""
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, out):
         if plan.compress_ratio != compress_ratio:
@@ -80,7 +81,8 @@ def launcher(fn, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Op
             ape = ape.to(ape_dtype)
         rows = plan.plan_d if decode else plan.plan_c
         if out is None:
-            out = torch.empty((rows.shape[0], head_dim), dtype=out_dtype, device=kv_score_input.device)
+            out = (kv_score_input.new_empty((rows.shape[0], head_dim)) if out_dtype is None else
+                   torch.empty((rows.shape[0], head_dim), dtype=out_dtype, device=kv_score_input.device))
         if decode:
             fn(kv_score_buffer, kv_score_input, ape, rows, out, None)
         else:
