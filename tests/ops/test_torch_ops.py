@@ -32,6 +32,13 @@ OPS = {torch.ops.dsv4jit.compress.default, torch.ops.dsv4jit.norm_rope_store.def
 CONFIGS = [(4, 512, False), (128, 512, False), (4, 128, False), (4, 128, True)]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test traces from scratch: dynamo's memory of the shapes an earlier test compiled `pipeline`
+    with (in this worker) would otherwise make dimensions symbolic here and add their guards' ops."""
+    torch._dynamo.reset()
+
+
 def config_id(config) -> str:
     ratio, hd, fp4 = config
     return f"c{ratio}-hd{hd}" + ("-fp4" if fp4 else "")
@@ -52,7 +59,6 @@ class Recorder:
 
 
 def compiled_vs_eager(step: Step, backend, fn=pipeline) -> None:
-    torch._dynamo.reset()
     eager, compiled = step.fresh(), step.fresh()
     out_eager = run(eager, fn)
     out_compiled = run(compiled, torch.compile(fn, backend=backend, fullgraph=True))
@@ -101,7 +107,6 @@ def test_compile_with_out_and_a_flat_state_buffer():
 
 def test_compile_dynamic_batch():
     """One graph with a symbolic batch serves decode steps of two batch sizes."""
-    torch._dynamo.reset()
     compiled = torch.compile(pipeline, backend="aot_eager", fullgraph=True, dynamic=True)
     for batch in (3, 5):
         step = make_step("cpu", ratio=4, head_dim=128, decode=True, batch=batch, seed=batch)

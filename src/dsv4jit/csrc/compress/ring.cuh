@@ -20,6 +20,7 @@
 
 #include <algorithm>
 
+#include "common/async_copy.cuh"
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
 #include "common/plan_structs.h"
@@ -93,6 +94,7 @@ struct Params {
   int64_t num_pages;
   int64_t num_input_rows;
   uint32_t num_rows;    // rows of `plan` (pool pass / decode) or of plan_w (write pass)
+  uint32_t ahead_rows;  // decode of several waves of blocks: the rows one wave ahead (prefetch_unit), else 0
   int32_t* status;      // checked mode: OR of StatusBit, else nullptr
   bool after_pool;      // write pass: a pool pass runs just before it (the pass loads before waiting)
 };
@@ -288,9 +290,14 @@ struct Kernels {
   /// token; at a boundary pool the whole window from the ring (the last slot straight from
   /// registers: same values the ring now holds); else zero the output.
   /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and every
-  /// window slot at once, the token store behind them. The pooling comes after all of them.
+  /// window slot at once, the token store behind them. The pooling comes after all of them. With a
+  /// sink that prefetches, the first round trip finds its lines in L2 (prefetch_unit).
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
+    if constexpr (Sink::kPrefetches) {
+      prefetch_unit(p, lane, lane.row);
+      if (p.ahead_rows != 0) prefetch_unit(p, lane, lane.row + p.ahead_rows);
+    }
     pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
     const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
@@ -349,6 +356,23 @@ struct Kernels {
       holds = lane.warp_in_unit < M;
     }
     sink.emit(merged_lane<M>(lane), holds, v);
+  }
+
+  /// Brings a decode unit's plan row and token slice into L2: its own before the upstream wait (while
+  /// the kernel before it finishes), and those of the unit one wave of blocks ahead (`row` =
+  /// lane.row + p.ahead_rows), whose block then finds them there instead of in DRAM. Allowed before
+  /// the wait: a prefetch returns nothing, and L2 is coherent, so a line that a running kernel still
+  /// writes is never read stale.
+  static DSV4_DEV void prefetch_unit(const Params& p, const Lane& lane, uint32_t row) {
+    if (row >= p.num_rows || threadIdx.x % kWarpSize != 0) return;
+    if (lane.warp_in_unit == 0 && lane.channel == 0) {
+      prefetch_l2(static_cast<const DecodePlan*>(p.plan) + row);
+    }
+    if (lane.warp_in_unit == W::kWarpsPerUnit - 1) {  // the token's warp (decode)
+      const auto* token = static_cast<const InT*>(p.input) + uint64_t{row} * W::kRowWidth + lane.channel;
+#pragma unroll
+      for (int g = 0; g < W::kGroups; ++g) prefetch_l2_bulk(token + g * kHeadDim, W::kUnitChannels * sizeof(InT));
+    }
   }
 
   static DSV4_DEV bool write_loc_ok(const Params& p, const DecodePlan& plan) {
@@ -626,7 +650,18 @@ struct CompressEntry : CompressorEntryBase<CompressEntry<kRatio, kHeadDim, Buffe
         return;
       }
     }
-    launch(op, dev.dev, {decode_grid(op, dev.dev, p.num_rows, false), K::kThreads}, kPDL, decode_kernel<K>, p);
+    launch(op, dev.dev, {decode_grid(op, dev.dev, p.num_rows, false), K::kThreads}, kPDL, decode_kernel<K>,
+           with_lookahead(op, dev.dev, p));
+  }
+
+  /// `p` with ahead_rows set for a block-per-unit decode grid of more than one wave of resident
+  /// blocks: the rows that one wave covers (each block prefetches for the unit a wave ahead).
+  static Params with_lookahead(const char* op, DLDevice dev, Params p) {
+    const uint64_t wave = resident_blocks(op, dev);
+    if (uint64_t{p.num_rows} * W::kSlices > wave * K::kUnitsPerBlock) {
+      p.ahead_rows = static_cast<uint32_t>(wave * K::kUnitsPerBlock / W::kSlices);
+    }
+    return p;
   }
 };
 

@@ -76,6 +76,7 @@ struct StoreStep {
     static constexpr int kMergeWarps = 1;
     static constexpr bool kHoldersOnly = false;
     static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
+    static constexpr bool kPrefetches = true;      // decode units prefetch (compress/ring.cuh prefetch_unit)
     const store::Params& p;
     Shared& sh;
     int64_t loc = 0, position = 0;
@@ -171,6 +172,9 @@ struct LastSliceStores {
     static constexpr int kMergeWarps = 1;
     static constexpr bool kHoldersOnly = true;
     static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
+    // No decode prefetch: measured no faster in a model step's c128 layers, slower for batches all
+    // at a boundary (docs/performance.md).
+    static constexpr bool kPrefetches = false;
     const store::Params& p;
     InT* rows;
     int32_t* row_counts;
@@ -298,6 +302,12 @@ struct RingPass {
   static LaunchShape shape(uint32_t rows) {
     return {Compressor::blocks(rows, K::kUnitsPerBlock), kThreads};
   }
+  /// A decode's parameters with the compressor's prefetch a wave of blocks ahead (K::prefetch_unit).
+  template <typename P>
+  static P lookahead(const char* op, DLDevice dev, P p) {
+    if constexpr (kDecode && Step::Sink::kPrefetches) p.c = Compressor::with_lookahead(op, dev, p.c);
+    return p;
+  }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
     pool_block(c, sink, blockIdx.x);
@@ -336,7 +346,7 @@ struct PoolLaunch {
         }
       }
     }
-    launch(op, dev, Pass::shape(p.c.num_rows), pdl, pool_and_store_kernel<Pass>, p);
+    launch(op, dev, Pass::shape(p.c.num_rows), pdl, pool_and_store_kernel<Pass>, Pass::lookahead(op, dev, p));
   }
 };
 
@@ -356,6 +366,10 @@ struct OnlinePass {
   static constexpr int kMinBlocks = kDecode ? 0 : K::kPrefillMinBlocks;
 
   static LaunchShape shape(uint32_t rows) { return {kDecode ? Compressor::decode_blocks(rows) : rows, kThreads}; }
+  template <typename P>
+  static P lookahead(const char*, DLDevice, P p) {
+    return p;  // the online kernels prefetch nothing ahead
+  }
   template <typename Sink>
   static DSV4_DEV void pool(const Params& c, Sink& sink) {
     using Lane = typename K::PrefillLane;

@@ -112,7 +112,8 @@ struct C4LayerEntry {
 
   template <typename PassA, typename PassB, typename P, typename Q>
   static void launch_pair(const Device& dev, const P& a, const Q& b) {
-    const PairParams<P, Q> pair{a, b, PassA::shape(a.c.num_rows).grid.x};
+    const PairParams<P, Q> pair{PassA::lookahead(kOp, dev.dev, a), PassB::lookahead(kOp, dev.dev, b),
+                                PassA::shape(a.c.num_rows).grid.x};
     const LaunchShape shape_b = PassB::shape(b.c.num_rows);
     launch(kOp, dev.dev, {pair.blocks_a + shape_b.grid.x, PassA::kThreads}, kPDL,
            pair_pool_and_store_kernel<PassA, PassB>, pair);
