@@ -333,15 +333,7 @@ struct Kernels {
     if (last_warp && !pooled) store_state_row(p, token, plan.write_loc, lane.channel);
     float kv[kSlots][C], z[kSlots][C];
     if (pooled) {
-      const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
-      Bias bias;
-      load_bias(p, lane, bias);
-      if (last_warp) {
-        load_window<kSlots - 1>(p, src, lane, bias, kv, z);
-        token_slot(token, bias[kSlots - 1], kv[kSlots - 1], z[kSlots - 1]);
-      } else {
-        load_window<kSlots>(p, src, lane, bias, kv, z);
-      }
+      load_decode_window(p, plan, lane, token, last_warp, kv, z);
       if (last_warp) store_state_row(p, token, plan.write_loc, lane.channel);
     }
     pdl_launch_dependents<kPDL>();
@@ -372,6 +364,22 @@ struct Kernels {
       const auto* token = static_cast<const InT*>(p.input) + uint64_t{row} * W::kRowWidth + lane.channel;
 #pragma unroll
       for (int g = 0; g < W::kGroups; ++g) prefetch_l2_bulk(token + g * kHeadDim, W::kUnitChannels * sizeof(InT));
+    }
+  }
+
+  /// This warp's slots of a decode window at a boundary, from the ring, but for the last slot in the
+  /// token's warp (`token_warp`), which comes from this step's token (token_slot).
+  static DSV4_DEV void load_decode_window(const Params& p, const DecodePlan& plan, const Lane& lane,
+                                          const Vec<InT, C> (&token)[W::kGroups], bool token_warp,
+                                          float (&kv)[kSlots][C], float (&z)[kSlots][C]) {
+    const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
+    Bias bias;
+    load_bias(p, lane, bias);
+    if (token_warp) {
+      load_window<kSlots - 1>(p, src, lane, bias, kv, z);
+      token_slot(token, bias[kSlots - 1], kv[kSlots - 1], z[kSlots - 1]);
+    } else {
+      load_window<kSlots>(p, src, lane, bias, kv, z);
     }
   }
 
@@ -541,16 +549,8 @@ struct Kernels {
       for (int c = 0; c < C / M; ++c) v[c] = 0.0f;
       return lane.warp_in_unit < M;
     }
-    const WindowSource src{0, plan.read_page_0, plan.read_page_1, W::kSlots, plan.seq_len};
-    Bias bias;
-    load_bias(p, lane, bias);
     float kv[kSlots][C], z[kSlots][C];
-    if (last_warp) {
-      load_window<kSlots - 1>(p, src, lane, bias, kv, z);
-      token_slot(token, bias[kSlots - 1], kv[kSlots - 1], z[kSlots - 1]);
-    } else {
-      load_window<kSlots>(p, src, lane, bias, kv, z);
-    }
+    load_decode_window(p, plan, lane, token, last_warp, kv, z);
     return reduce_unit<M>(lane, kv, z, v);
   }
 };
