@@ -1,7 +1,8 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with the PDL attribute may start
 // before its predecessor finishes, so it must wait before reading anything produced upstream
-// (plans included); before that wait it reads only what no running kernel writes. It may let its
-// own dependents start early, once it has waited itself (then everything before it is complete).
+// (plans included); before that wait it reads only what no running kernel writes (an L2 prefetch
+// reads nothing into the kernel, so it may go first). It may let its own dependents start early,
+// once it has waited itself (then everything before it is complete).
 #pragma once
 
 #include "types.cuh"
