@@ -135,6 +135,13 @@ def _plan_decode(entry, op, tables, args, seq_lens):
     return plan_d if made is None else made
 
 
+def _reads_state(seq_lens: torch.Tensor, extend_lens: torch.Tensor) -> bool:
+    """Whether a ring prefill's pool pass may read state rows: False only where the lengths are on
+    the host (a look costs no sync) and no request has a prefix (seq_lens equal extend_lens), so
+    that every window slot before a request's first token is masked (contract §4.2, contract §4.4)."""
+    return seq_lens.is_cuda or extend_lens.is_cuda or not bool((seq_lens == extend_lens).all())
+
+
 _PREFILL_TENSORS = ("req_pool_indices", "seq_lens", "extend_lens")
 _DECODE_TENSORS = ("req_pool_indices", "seq_lens")
 _PAGED_INTS = ("compress_ratio", "swa_page_size", "ring_size")
@@ -224,6 +231,9 @@ class CompressorPrefillPlan:
     pin_buffer: Optional[torch.Tensor] = None
     num_q_tokens: Optional[int] = None  # recorded by generate*; bounds out_loc in the store step
     is_online: bool = False  # set by generate_online: the rows are segment rows (OnlinePlan)
+    # False where generate saw on the host that no request has a prefix: the pool pass then reads
+    # no state row, and a ring prefill runs its two passes in one grid (csrc/compress/ring.cuh)
+    reads_state: bool = True
 
     @property
     def is_decode(self) -> bool:
@@ -244,6 +254,7 @@ class CompressorPrefillPlan:
         self.plan_c.copy_(other.plan_c)
         self.plan_w.copy_(other.plan_w)
         self.num_q_tokens = other.num_q_tokens
+        self.reads_state = other.reads_state
         return self
 
     def rows(self) -> (tuple[plan_layout.CompressRows, plan_layout.WriteRows]
@@ -264,7 +275,8 @@ class CompressorPrefillPlan:
             plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token,
                                       full_to_state, swa_page_size, ring_size, num_q_tokens, use_cuda_graph,
                                       use_req_ring, False)
-        return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
+        return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens),
+                   reads_state=_reads_state(seq_lens, extend_lens))
 
     @classmethod
     def generate_legacy(cls, compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -277,7 +289,8 @@ class CompressorPrefillPlan:
                 req_pool_indices = req_pool_indices.to(device)
             plan_c, plan_w = _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, None, None, 0, 0,
                                       num_q_tokens, use_cuda_graph, False, True)
-        return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens))
+        return cls(compress_ratio, plan_c, plan_w, None, int(num_q_tokens),
+                   reads_state=_reads_state(seq_lens, extend_lens))
 
     @classmethod
     def generate_online(cls, seq_lens: torch.Tensor, extend_lens: torch.Tensor, req_pool_indices: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 
 from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_and_store_c4_layer
 from dsv4jit.geometry import page_bytes
+from helpers.kernel_trace import dsv4jit_kernels
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
@@ -102,6 +103,28 @@ def test_layer_equals_two_calls(device, indexer_format):
     for _ in range(6):
         layer.decode()
     assert layer.stored >= 5
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_layer_prefill_without_prefixes_is_one_launch(device):
+    """A layer prefill in which no request has a prefix is one launch (both pool passes, then both write
+    passes' blocks, in one grid); with prefixes, two. Both equal two compress_and_store calls."""
+    layer = Layer(device, 2, seed=4)
+    launched = []
+    run = layer.layer
+
+    def traced(tensors, *args, **kw):
+        if tensors is not layer.b:
+            return run(tensors, *args, **kw)
+        launched.append(dsv4jit_kernels(lambda: run(tensors, *args, **kw)))
+
+    layer.layer = traced
+    layer.prefill([37, 130])
+    layer.prefill([2, 6])  # both resume
+    layer.decode()  # request 0 closes a window
+    assert [len(names) for names in launched] == [1, 2, 1], launched
+    assert "pair_write_kernel" in launched[1][1], launched
+    assert layer.stored == 3
 
 
 @pytest.mark.parametrize("device", [CUDA])

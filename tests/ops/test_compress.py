@@ -31,6 +31,7 @@ from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_forwar
 from helpers.compress_scenario import (ALL_CONFIGS, C4_LEGACY, C4_PAGED_8, C4_PAGED_16, C4_REQ_8, C4_REQ_16, C128_128,
                                        C128_256, C128_LEGACY, CUDA_MARKS, DEVICES, NAN, ROW_WIDTH, Scenario,
                                        config_id, dtype_id)
+from helpers.kernel_trace import dsv4jit_kernels
 from helpers.pool_utils import SWA_PAGE
 
 
@@ -83,6 +84,49 @@ def test_prefill_long_ragged(device, config):
     sc = _scenario(device, config, num_reqs=6, max_ctx=max(lens) + 1, seed=7)
     sc.prefill([5, 0, 3, 2], lens)
     sc.prefill([3, 5], [1, 1])
+
+
+@pytest.mark.parametrize("config", [C4_PAGED_8, C128_128], ids=config_id)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_prefill_without_prefixes_is_one_launch(device, config):
+    """A prefill in which no request has a prefix (plan.reads_state False: the pool pass reads no state
+    row) is one launch, the write pass's blocks beside the pool pass's; with a prefix, two in stream
+    order. Both match the oracle."""
+    ratio = config[0]
+    sc = _scenario(device, config, num_reqs=3, seed=12)
+    launched = [dsv4jit_kernels(lambda: sc.prefill([0, 1], [5, 3 * ratio + 1]), "compress::"),
+                dsv4jit_kernels(lambda: sc.prefill([0, 2], [ratio + 2, 7]), "compress::")]  # request 0 resumes
+    assert [len(names) for names in launched] == [1, 2], launched
+    assert "prefill_one_grid_kernel" in launched[0][0] and "prefill_write_kernel" in launched[1][1], launched
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_captured_prefill_keeps_its_passes_in_order(device):
+    """A graph captured from a plan without prefixes keeps the two passes in stream order, since it
+    replays whatever plan its buffers hold later: after copy_ of a plan with prefixes it pools before
+    it writes, as an eager call on that plan does."""
+    sc = _scenario(device, C4_PAGED_8, num_reqs=2, max_ctx=64, seed=13)
+    rpi = torch.tensor([0, 1], device=sc.device)
+
+    def plan(seq, ext):
+        return CompressorPrefillPlan.generate(4, rpi, torch.tensor(seq), torch.tensor(ext), sc.r2t, sc.f2s, SWA_PAGE,
+                                              8, 24, use_cuda_graph=True)
+
+    fresh, resumed = plan([10, 14], [10, 14]), plan([21, 17], [13, 11])
+    assert not fresh.reads_state and resumed.reads_state
+    x = torch.randn(24, sc.last_dim, device=sc.device)
+    state = torch.randn(sc.state.shape, device=sc.device)
+    out = torch.full((24, sc.hd), NAN, device=sc.device)
+    expected_state, expected_out = state.clone(), out.clone()
+    compress_forward(expected_state, x, sc.ape, resumed, head_dim=sc.hd, compress_ratio=4, out=expected_out)
+    compress_forward(state.clone(), x, sc.ape, fresh, head_dim=sc.hd, compress_ratio=4, out=out.clone())  # loads
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compress_forward(state, x, sc.ape, fresh, head_dim=sc.hd, compress_ratio=4, out=out)
+    fresh.copy_(resumed)
+    assert len(dsv4jit_kernels(graph.replay, "compress::")) == 2
+    assert torch.equal(state, expected_state)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0, equal_nan=True)
 
 
 # ------------------------------------------------------------------------------------------------

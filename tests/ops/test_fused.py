@@ -22,6 +22,7 @@ from dsv4jit import CompressorDecodePlan, compress_and_store, compress_forward, 
 from dsv4jit.ops import fused as fused_ops
 from helpers.compress_scenario import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, CUDA_MARKS, DEVICES
 from helpers.fused_twin import MAX_CTX, Twin, fused_entries
+from helpers.kernel_trace import dsv4jit_kernels
 
 CONFIG_FORMATS = [
     (C4_PAGED_8, "v4_fp8"), (C4_PAGED_8, "v4_bf16"), (C4_PAGED_8, "indexer_fp4"), (C4_PAGED_8, "indexer_fp8"),
@@ -113,6 +114,23 @@ def test_ring_decode_runs_one_kernel(device, monkeypatch):
     assert calls == [("fused", "prefill_two_step"), ("fused", "decode"), ("fused", "prefill_two_step"),
                      ("fused", "decode"), ("fused", "decode"), ("fused", "prefill"), ("fused", "decode")]
     assert tw.stored_steps == 3 and c4.stored_steps == 2
+
+
+@pytest.mark.parametrize("fmt", ["v4_fp8", "indexer_fp4"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+def test_c4_prefill_without_prefixes_is_one_launch(device, fmt):
+    """A c4 prefill in which no request has a prefix is one launch (the write pass's blocks beside the
+    pool-and-store pass's); with a prefix, two. Both equal the two steps bit for bit."""
+    tw = Twin(device, C4_PAGED_8, fmt, num_reqs=3, seed=11)
+    launched = []
+    fused = tw.fused
+    tw.fused = lambda *args: launched.append(dsv4jit_kernels(lambda: fused(*args)))
+    tw.prefill([0, 1], [5, 41])
+    tw.prefill([0, 2], [3, 131])  # request 0 resumes
+    tw.decode([0, 1, 2])  # request 2 closes a window
+    assert [len(names) for names in launched] == [1, 2, 1], launched
+    assert "pool_and_store_kernel" in launched[0][0] and "prefill_write_kernel" in launched[1][1], launched
+    assert tw.stored_steps == 3
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])

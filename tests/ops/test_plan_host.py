@@ -30,6 +30,29 @@ def test_prefill_matches_reference(ratio, ring, req_ring, use_cuda_graph, seed):
 
 
 @pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
+def test_reads_state_is_false_only_without_prefixes(ratio, ring, req_ring):
+    """reads_state is False where generate sees on the host that no request has a prefix, and then no
+    compress row reads a state row: a c4 row's buffered slots are the masked ones of a request's
+    first window (seq_len 4), a c128 row has none. A prefix, a copy_ of such a plan and the tuple
+    form make it True."""
+    rpi, seq, ext, r2t, f2s = planner_inputs(4, batch=9)
+    fresh = CompressorPrefillPlan.generate(ratio, rpi, ext, ext, r2t, f2s, 256, ring, int(ext.sum()),
+                                           use_req_ring=req_ring)
+    assert not fresh.reads_state
+    rows = fresh.rows()[0]
+    buffered = rows.valid & (rows.buffer_len > 0)
+    assert buffered.sum() == (0 if ratio == 128 else int((ext >= 4).sum()))
+    assert (rows.seq_len[buffered] == 4).all() and (rows.buffer_len[buffered] <= 4).all()
+    prefixed = CompressorPrefillPlan.generate(ratio, rpi, seq, ext, r2t, f2s, 256, ring, int(ext.sum()),
+                                              use_req_ring=req_ring)
+    assert bool((seq > ext).any()) and prefixed.reads_state
+    padded = [CompressorPrefillPlan.generate(ratio, rpi, lens, ext, r2t, f2s, 256, ring, int(ext.sum()),
+                                             use_cuda_graph=True, use_req_ring=req_ring) for lens in (ext, seq)]
+    assert not padded[0].reads_state and padded[0].copy_(padded[1]).reads_state
+    assert CompressorPrefillPlan(*fresh[:4]).reads_state
+
+
+@pytest.mark.parametrize("ratio,ring,req_ring", CONFIGS)
 def test_decode_matches_reference(ratio, ring, req_ring):
     rpi, seq, _, r2t, f2s = planner_inputs(3, batch=40)
     d = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq, 256, ring, req_ring)

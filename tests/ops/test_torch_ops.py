@@ -137,8 +137,9 @@ def test_opcheck(decode):
     step = make_step("cpu", ratio=4, head_dim=128, decode=decode, seed=5)
     out = torch.empty(step.plan[1].shape[0], 128)
     plan_w = None if decode else step.plan.plan_w
+    reads_state = decode or step.plan.reads_state
     torch.library.opcheck(torch.ops.dsv4jit.compress.default,
-                          (step.state, step.x, step.ape, step.plan[1], plan_w, out, 128, 4, decode))
+                          (step.state, step.x, step.ape, step.plan[1], plan_w, out, 128, 4, decode, reads_state))
     kv = compress_forward(step.state.clone(), step.x, step.ape, step.plan, head_dim=128, compress_ratio=4)
     num_q = -1 if decode else step.plan.num_q_tokens
     freq = torch.view_as_real(step.freq_cis).flatten(1)  # the ops take the real (cos, sin) table
@@ -147,7 +148,8 @@ def test_opcheck(decode):
                            "indexer_fp8", step.page_size, 4, decode, 1e-6, num_q))
     torch.library.opcheck(torch.ops.dsv4jit.compress_and_store.default,
                           (step.state, step.x, step.ape, step.plan[1], plan_w, step.weight, freq,
-                           step.out_loc, step.kvcache, "indexer_fp8", step.page_size, 128, 4, decode, 1e-6, num_q))
+                           step.out_loc, step.kvcache, "indexer_fp8", step.page_size, 128, 4, decode, 1e-6, num_q,
+                           reads_state))
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
@@ -216,7 +218,7 @@ def test_eager_calls_skip_the_dispatcher():
     fresh = step.fresh()
     out = torch.empty(fresh.x.shape[0], 128)
     assert dispatcher_events(lambda: torch.ops.dsv4jit.compress.default(
-        fresh.state, fresh.x, fresh.ape, fresh.plan.plan_d, None, out, 128, 4, True)) == ["dsv4jit::compress"]
+        fresh.state, fresh.x, fresh.ape, fresh.plan.plan_d, None, out, 128, 4, True, True)) == ["dsv4jit::compress"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
         if is_online:
             online.online_op(*args)
         else:
-            compress_op(*args, compress_ratio, plan.is_decode)
+            compress_op(*args, compress_ratio, plan.is_decode, common.reads_state(plan))
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
                             lambda text: kind.widths(_OP, text, head_dim, compress_ratio, kv_score_buffer,
@@ -133,12 +133,14 @@ def _remember(kind, plan, head_dim, compress_ratio, is_online, buffer, inputs, a
     row_dtype = kind.row_dtype(inputs.dtype)
     _FAST[key] = compressor.launcher(fn, compress_ratio, head_dim, plan.is_decode,
                                      None if ape.dtype == row_dtype else row_dtype,
-                                     None if inputs.dtype == row_dtype else row_dtype)
+                                     None if inputs.dtype == row_dtype else row_dtype, kind is RING)
 
 
 @library.custom_op("compress", mutates_args=("kv_score_buffer", "out"))
 def compress_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                 plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], out: torch.Tensor, head_dim: int,
-                compress_ratio: int, is_decode: bool) -> None:
-    """compress_forward on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode)."""
-    compressor.run(RING, _OP, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, head_dim, compress_ratio)
+                compress_ratio: int, is_decode: bool, reads_state: bool) -> None:
+    """compress_forward on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode;
+    reads_state: the prefill plan's, True in decode)."""
+    compressor.run(RING, _OP, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, head_dim, compress_ratio,
+                   reads_state)

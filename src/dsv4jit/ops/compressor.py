@@ -49,8 +49,9 @@ class Kind:
 
 def run(kind: Kind, op: str, kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
         plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], out: torch.Tensor, head_dim: int,
-        compress_ratio: int) -> None:
-    """compress_forward of `kind` on unpacked plan tensors (plan_w None: decode)."""
+        compress_ratio: int, reads_state: Optional[bool] = None) -> None:
+    """compress_forward of `kind` on unpacked plan tensors (plan_w None: decode). `reads_state`: the
+    plan's, for a kind whose prefill export takes it (the ring compressors), else None."""
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
     if device is None:
         buffer = common.state_pool(kv_score_buffer, kind.rows_per_page(compress_ratio),
@@ -62,17 +63,20 @@ def run(kind: Kind, op: str, kv_score_buffer: torch.Tensor, kv_score_input: torc
     status = runtime.status_word(device)
     if plan_w is None:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
-    else:
+    elif reads_state is None:
         fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
+    else:
+        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status, reads_state)
     runtime.raise_status(status, op, name, device, params)
 
 
 def launcher(fn, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Optional[torch.dtype],
-             out_dtype: Optional[torch.dtype]) -> Callable:
+             out_dtype: Optional[torch.dtype], takes_reads_state: bool) -> Callable:
     """The eager fast path's call of a resolved signature: `fn` the kernel export, `ape_dtype` the dtype
     ape is converted to (None: passed as it is), `out_dtype` that of an allocated output (None: the
-    input's, allocated by new_empty, which parses no keywords). It raises (before any launch) what the
-    full path then explains."""
+    input's, allocated by new_empty, which parses no keywords), `takes_reads_state` whether a prefill
+    export takes the plan's reads_state. It raises (before any launch) what the full path then
+    explains."""
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, out):
         if plan.compress_ratio != compress_ratio:
@@ -85,6 +89,8 @@ def launcher(fn, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Op
                    torch.empty((rows.shape[0], head_dim), dtype=out_dtype, device=kv_score_input.device))
         if decode:
             fn(kv_score_buffer, kv_score_input, ape, rows, out, None)
+        elif takes_reads_state:
+            fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, out, None, plan.reads_state)
         else:
             fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, out, None)
         return out

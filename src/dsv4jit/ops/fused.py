@@ -188,7 +188,8 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
             one_kernel = runs_fused(compress_ratio, is_online, plan.is_decode, plan[1].shape[0])
             counts = (plan_row_counts(plan[1]) if block_units(compress_ratio, is_online) and one_kernel
                       and kv_score_input.is_cuda else None)
-            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan), counts)
+            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan),
+                     common.reads_state(plan), counts)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
@@ -240,10 +241,11 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
             buffer = counts = None
         if decode:
             fn(kv_score_buffer, kv_score_input, ape, rows, None, buffer, counts, norm_weight, freq_cis, out_loc,
-               kvcache, None, page_size, norm_eps, -1)
+               kvcache, None, page_size, norm_eps, -1, True)
         else:
             fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, buffer, counts, norm_weight, freq_cis,
-               out_loc, kvcache, None, page_size, norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens)
+               out_loc, kvcache, None, page_size, norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens,
+               plan.reads_state)
 
     return launch
 
@@ -253,11 +255,12 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
              plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor,
              freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str,
              page_size: int, head_dim: int, compress_ratio: int, is_decode: bool, norm_eps: float,
-             num_q_tokens: int, row_counts: Optional[torch.Tensor] = None) -> None:
-    """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table).
-    Ring c128 on CUDA: row_counts from plan_row_counts() (zero again after the call)."""
+             num_q_tokens: int, reads_state: bool, row_counts: Optional[torch.Tensor] = None) -> None:
+    """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table;
+    reads_state: the prefill plan's, True in decode). Ring c128 on CUDA: row_counts from
+    plan_row_counts() (zero again after the call)."""
     _run(RING, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, row_counts)
+         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, reads_state, row_counts)
 
 
 @library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache"))
@@ -267,11 +270,12 @@ def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
                     page_size: int, norm_eps: float, num_q_tokens: int) -> None:
     """compress_and_store(is_online=True) on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
     _run(ONLINE, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens)
+         store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens, True)
 
 
 def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, row_counts=None) -> None:
+         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, reads_state,
+         row_counts=None) -> None:
     is_decode, is_online = plan_w is None, kind is ONLINE
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
                                 kvcache)
@@ -283,7 +287,7 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
             online_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim)
         else:
             compress_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
-                             is_decode)
+                             is_decode, reads_state)
         store_op.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, compress_ratio,
                       is_decode, norm_eps, num_q_tokens)
         return
@@ -298,5 +302,5 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
         (plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype), device=device)
     row_counts = row_counts if one_kernel else None
     fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, row_counts, norm_weight, freq, out_loc, kvcache,
-       status, page_size, norm_eps, num_q_tokens)
+       status, page_size, norm_eps, num_q_tokens, reads_state)
     runtime.raise_status(status, _OP, name, device, params, DESCRIBE)

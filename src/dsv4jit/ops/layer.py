@@ -54,7 +54,8 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
     V4 cache, ``bf16_store``) and of its indexer (head_dim 128: the ``indexer_*`` tensors, indexer
     cache, ``use_fp4``), both on the layer's c4 `plan`, with one rope table and norm epsilon.
     ``indexer_out_loc`` and ``indexer_page_size`` default to the core's. Decode is one launch;
-    prefill two (both pool-and-store passes, then both state-ring write passes)."""
+    prefill two (both pool-and-store passes, then both state-ring write passes), or one where the
+    plan's pool passes read no state row (``plan.reads_state`` False)."""
     indexer_out_loc = out_loc if indexer_out_loc is None else indexer_out_loc
     indexer_page_size = page_size if indexer_page_size is None else indexer_page_size
     if (type(page_size) is int and type(indexer_page_size) is int and type(norm_eps) is float
@@ -99,7 +100,7 @@ def _layer(given: dict) -> None:
     try:
         layer_op(*(t[name] for name in _CORE), g["page_size"], *(t[name] for name in _INDEXER),
                  g["indexer_page_size"], plan[1], common.write_rows(plan), common.freq_table(g["freq_cis"]), eps,
-                 common.num_q_tokens(plan), core_format, indexer_format)
+                 common.num_q_tokens(plan), common.reads_state(plan), core_format, indexer_format)
     except (ValueError, TypeError, AttributeError) as e:
         common.check_freq(op, g["freq_cis"])
         # an indexer argument that defaulted to the core's is reported under the name the caller gave
@@ -140,8 +141,9 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
              indexer_kv_score_buffer: torch.Tensor, indexer_kv_score_input: torch.Tensor, indexer_ape: torch.Tensor,
              indexer_norm_weight: torch.Tensor, indexer_out_loc: torch.Tensor, indexer_kvcache: torch.Tensor,
              indexer_page_size: int, plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], freq: torch.Tensor,
-             norm_eps: float, num_q_tokens: int, core_format: str, indexer_format: str) -> None:
-    """compress_and_store_c4_layer on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
+             norm_eps: float, num_q_tokens: int, reads_state: bool, core_format: str, indexer_format: str) -> None:
+    """compress_and_store_c4_layer on unpacked plan tensors (plan_w: None in decode; freq: the real table;
+    reads_state: the prefill plan's, True in decode)."""
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache,
                                 indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight,
                                 indexer_out_loc, indexer_kvcache, plan_rows, plan_w, freq)
@@ -154,7 +156,7 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
         for step, hd, fmt, state, inputs, step_ape, weight, locs, cache, page in steps:
             try:
                 fused_op.impl(state, inputs, step_ape, plan_rows, plan_w, weight, freq, locs, cache, fmt, page, hd,
-                              RATIO, plan_w is None, norm_eps, num_q_tokens)
+                              RATIO, plan_w is None, norm_eps, num_q_tokens, reads_state)
             except (ValueError, TypeError) as e:
                 raise arguments.reworded(step, e, (*_CORE, "freq_cis", "page_size"), _PLAN_FIELDS) from None
         indexer_kv_score_buffer.copy_(staged_state)
@@ -171,7 +173,7 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     _launcher(runtime.function(name, "run", device, **params), kv_score_input.dtype)(
         kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size, indexer_kv_score_buffer,
         indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size,
-        (RATIO, plan_rows, plan_w, num_q_tokens), freq, norm_eps, status)
+        (RATIO, plan_rows, plan_w, num_q_tokens, reads_state), freq, norm_eps, status)
     if status is not None and any(status.tolist()):
         describe = [runtime.function(name, DESCRIBE[i % 2], device, **params) for i in range(4)]
         texts = [f"{'core' if i < 2 else 'indexer'}: {describe[i](w)}" for i, w in enumerate(status.tolist()) if w]
@@ -179,18 +181,19 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
 
 
 def _launcher(fn, row_dtype: torch.dtype):
-    """A call of the layer kernel; `plan` a plan object, or (ratio, plan_rows, plan_w, num_q_tokens)
-    unpacked. ape and the norm weights are converted to the rows' dtype where they differ."""
+    """A call of the layer kernel; `plan` a plan object, or (ratio, plan_rows, plan_w, num_q_tokens,
+    reads_state) unpacked. ape and the norm weights are converted to the rows' dtype where they differ."""
 
     def launch(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight,
                i_out_loc, i_kvcache, i_page_size, plan, freq_cis, norm_eps, status=None):
         if plan.__class__ is tuple:
-            ratio, rows, plan_w, num_q = plan
+            ratio, rows, plan_w, num_q, reads_state = plan
         else:
             decode = plan.__class__ is CompressorDecodePlan
             ratio, rows = plan.compress_ratio, plan.plan_d if decode else plan.plan_c
             plan_w = None if decode else plan.plan_w
             num_q = -1 if plan_w is None or plan.num_q_tokens is None else plan.num_q_tokens
+            reads_state = decode or plan.reads_state
         if ratio != RATIO:
             raise ValueError("not a c4 plan")
         if ape.dtype != row_dtype:
@@ -202,7 +205,7 @@ def _launcher(fn, row_dtype: torch.dtype):
         if i_weight.dtype != row_dtype:
             i_weight = _as_rows(i_weight, row_dtype)
         fn(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight, i_out_loc,
-           i_kvcache, i_page_size, rows, plan_w, freq_cis, norm_eps, num_q, status)
+           i_kvcache, i_page_size, rows, plan_w, freq_cis, norm_eps, num_q, status, reads_state)
 
     return launch
 

@@ -50,6 +50,14 @@ void launch(const char* op, DLDevice device, LaunchShape shape, bool pdl, void (
   check_cuda(op, cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch");
 }
 
+/// Whether torch's current stream of `device` is capturing a CUDA graph (whose launches replay later
+/// on whatever their buffers then hold).
+inline bool capturing(const char* op, DLDevice device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(op, cudaStreamIsCapturing(current_stream(device), &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 /// The SMs of `device`, asked once per device (grids of resident blocks size themselves by it).
 inline int multiprocessors(const char* op, DLDevice device) {
   static std::atomic<int> counts[64] = {};

@@ -7,7 +7,10 @@
 //           come from Window<...> and the plan row
 //
 // Prefill runs two launches in stream order: pool (reads the ring as it was before this step),
-// then write (stores this step's tokens); writes may alias rows the pool pass still reads.
+// then write (stores this step's tokens); writes may alias rows the pool pass still reads. Where no
+// request of the step has a prefix, the pool pass reads no state row (the first c4 window's earlier
+// slots are masked, and masked slots read no row), so one grid runs both passes side by side
+// (prefill_one_grid): the host knows it from the plan (CompressorPrefillPlan.reads_state).
 // Decode is one launch: each request's current token is written and, at a boundary, pooled from
 // registers (it is the window's last slot), the other slots from the ring. A large c128 decode runs
 // on a grid of resident blocks instead, which store every token, then pool only the units of rows
@@ -96,6 +99,7 @@ struct Params {
   uint32_t num_rows;    // rows of `plan` (pool pass / decode) or of plan_w (write pass)
   uint32_t ahead_rows;  // decode of several waves of blocks: the rows one wave ahead (prefetch_unit), else 0
   int32_t* status;      // checked mode: OR of StatusBit, else nullptr
+  uint32_t write_rows;  // prefill in one grid (prefill_one_grid): the plan_w rows, else 0
   bool after_pool;      // write pass: a pool pass runs just before it (the pass loads before waiting)
 };
 
@@ -247,9 +251,11 @@ struct Kernels {
   /// waits for it, and only the stores (which may overwrite rows it reads) follow it.
   static constexpr int kWriteUnitsPerBlock = 4;  // one warp per (row, slice) here
 
-  /// `block`: this block's index in the pass (blockIdx.x, unless the grid runs two passes).
+  /// `block`: this block's index in the pass (blockIdx.x, unless the grid runs two passes) of
+  /// kUnits one-warp units.
+  template <int kUnits = kWriteUnitsPerBlock>
   static DSV4_DEV void prefill_write(const Params& p, uint32_t block) {
-    const Lane lane = Lane::of(kWriteUnitsPerBlock, 1, block);
+    const Lane lane = Lane::of(kUnits, 1, block);
     WaitUpstreamOnExit<kPDL> wait_on_exit{p.after_pool};
     if (!p.after_pool) pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
@@ -264,6 +270,32 @@ struct Kernels {
     pdl_wait_upstream<kPDL>();  // the pool pass has read the ring
     store_state_row(p, token, w.write_loc, lane.channel);
     pdl_launch_dependents<kPDL>();
+  }
+
+  /// A prefill whose pool pass reads no state row, in one grid: blocks [0, pool_blocks) run the pool
+  /// pass (pool_block(block)), the others the write pass over p.write_rows plan_w rows, a write unit
+  /// per warp. Nothing orders the two: no unit reads a row that this step writes.
+  template <typename PoolBlock>
+  static DSV4_DEV void prefill_one_grid(const Params& p, uint32_t block, PoolBlock pool_block) {
+    const uint32_t pool = pool_blocks(p.num_rows);
+    if (block < pool) {
+      pool_block(block);
+      return;
+    }
+    Params w = p;
+    w.num_rows = p.write_rows;
+    w.after_pool = false;  // it waits for upstream itself
+    prefill_write<kWarpsPerBlock>(w, block - pool);
+  }
+  static constexpr int kWarpsPerBlock = kThreads / kWarpSize;  // the write units of a pool-pass block
+
+  /// Blocks of the pool pass over `rows` plan rows.
+  static DSV4_HD uint32_t pool_blocks(uint64_t rows) {
+    return static_cast<uint32_t>((rows * W::kSlices + kUnitsPerBlock - 1) / kUnitsPerBlock);
+  }
+  /// Blocks of `units` one-warp units that cover the write units (row, slice) of `rows` plan_w rows.
+  static DSV4_HD uint32_t write_blocks(uint64_t rows, int units) {
+    return static_cast<uint32_t>((rows * W::kSlices + units - 1) / units);
   }
 
   /// This lane's channels of every column group of a token row.
@@ -566,6 +598,15 @@ __global__ __launch_bounds__(K::kWriteUnitsPerBlock * kWarpSize) void prefill_wr
   K::prefill_write(p, blockIdx.x);
 }
 
+/// Both prefill passes in one grid, where the pool pass reads no state row (Kernels::prefill_one_grid).
+template <typename K>
+__global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void prefill_one_grid_kernel(const __grid_constant__ Params p) {
+  K::prefill_one_grid(p, blockIdx.x, [&](uint32_t block) {
+    typename K::OutputRows sink{p};
+    K::prefill_pool(p, K::Lane::of(K::kUnitsPerBlock, K::W::kWarpsPerUnit, block), sink);
+  });
+}
+
 template <typename K>
 __global__ __launch_bounds__(K::kThreads, K::kMinBlocks) void decode_kernel(const __grid_constant__ Params p) {
   typename K::OutputRows sink{p};
@@ -619,7 +660,33 @@ struct CompressEntry : CompressorEntryBase<CompressEntry<kRatio, kHeadDim, Buffe
            p);
   }
 
-  static unsigned write_blocks(uint64_t rows) { return blocks(rows, K::kWriteUnitsPerBlock); }
+  static unsigned write_blocks(uint64_t rows) { return K::write_blocks(rows, K::kWriteUnitsPerBlock); }
+
+  /// compress_forward's prefill entry point: the pool pass and the write pass; one grid where the
+  /// plan says that the pool pass reads no state row (`reads_state` false) and the call is not
+  /// captured into a CUDA graph (a graph replays whatever plan its buffers hold later).
+  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
+                      TensorView plan_w, TensorView out, Optional<TensorView> status, bool reads_state) {
+    Device dev;
+    Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
+    auto p = CompressEntry::prefill_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out,
+                                           nullptr, rows_c, rows_w);
+    p.status = status_words(kOp, dev, status);
+    launch_prefill(kOp, dev, p, rows_w.value, reads_state);
+  }
+
+  /// The two passes of a checked prefill (`rows_w` plan_w rows): one grid when the pool pass reads
+  /// no state row and no graph captures the launch, else two launches in stream order.
+  static void launch_prefill(const char* op, const Device& dev, Params p, int64_t rows_w, bool reads_state) {
+    if (reads_state || capturing(op, dev.dev)) {
+      CompressEntry::CompressorEntryBase::launch_prefill(op, dev, p, rows_w);
+      return;
+    }
+    p.write_rows = static_cast<uint32_t>(rows_w);
+    launch(op, dev.dev,
+           {K::pool_blocks(p.num_rows) + K::write_blocks(rows_w, K::kWarpsPerBlock), K::kThreads}, kPDL,
+           prefill_one_grid_kernel<K>, p);
+  }
 
   /// Whether a decode of `rows` rows runs the grid of resident blocks (decode_resident): c128 rows
   /// that a block per unit would take more than kMaxDecodeWaves waves of blocks to cover. Up to it

@@ -19,6 +19,8 @@
 //
 // Prefill is this kernel followed by the compressor's write pass in stream order: this step's
 // state writes may alias rows that the pooling still reads (a request ring, an online state row).
+// Where the plan says that the pool pass reads no state row (no request has a prefix), one grid
+// runs both passes (Grid::kPoolAndWrite; the ring compressors only).
 // Where one kernel measured slower than the two steps (online prefills of few rows: ops/fused.py),
 // the op passes a buffer for the compressed rows and the entry runs the two steps instead: the
 // same checks, then the compressor's kernels and the store kernel.
@@ -221,16 +223,22 @@ struct LastSliceStores {
   }
 };
 
+/// How a pool pass's grid covers its work: a block per unit (or per units_per_block units); the grid
+/// of resident blocks (ring c128 decode: Pass::pool_resident), a kernel of its own; or the pool
+/// pass's blocks followed by the write pass's, for a prefill whose pool pass reads no state row.
+enum class Grid { kPerUnit, kResident, kPoolAndWrite };
+
 /// A pool pass with the store step as its sink. Pass: the compressor's parameters (Params),
-/// the launch bounds and shape, the store step (Step) and pool(), the pass itself; kResident: the
-/// pass on the grid of resident blocks (ring c128 decode: Pass::pool_resident), a kernel of its own.
-template <typename Pass, bool kResident = false>
+/// the launch bounds and shape, the store step (Step) and pool(), the pass itself.
+template <typename Pass, Grid kGrid = Grid::kPerUnit>
 __global__ __launch_bounds__(Pass::kThreads, Pass::kMinBlocks) void pool_and_store_kernel(
     const __grid_constant__ Params<typename Pass::Params> p) {
   __shared__ typename Pass::Step::Shared sh;
   auto sink = Pass::Step::sink(p, sh);
-  if constexpr (kResident) {
+  if constexpr (kGrid == Grid::kResident) {
     Pass::pool_resident(p.c, sink);
+  } else if constexpr (kGrid == Grid::kPoolAndWrite) {
+    Pass::K::prefill_one_grid(p.c, blockIdx.x, [&](uint32_t block) { Pass::pool_block(p.c, sink, block); });
   } else {
     Pass::pool(p.c, sink);
   }
@@ -290,6 +298,7 @@ struct RingPass {
   using Params = compress::Params;
   static constexpr bool kBlockUnits = W::kWarpsPerUnit > 1;
   static constexpr bool kDecodePass = kDecode;
+  static constexpr bool kOneGridPrefill = true;  // the compressor's prefill_one_grid
   using Step = std::conditional_t<kBlockUnits, LastSliceStores<InT, F, kPDL, W::kSlices>,
                                   StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>>;
   static constexpr int kThreads = K::kThreads;
@@ -335,18 +344,37 @@ struct PoolLaunch {
   using Compressor = typename Pass::Compressor;
   using Params = typename Pass::Params;
   static constexpr bool kBlockUnits = Pass::kBlockUnits;
+  static constexpr bool kOneGridPrefill = Pass::kOneGridPrefill;
   template <typename P>
   static void run(const char* op, DLDevice dev, bool pdl, const P& p) {
     if constexpr (Pass::kBlockUnits) {  // ring c128 (a RingPass)
       if constexpr (Pass::kDecodePass) {
         if (Compressor::resident_decode(op, dev, p.c.num_rows)) {  // a large decode
           launch(op, dev, {Compressor::decode_grid(op, dev, p.c.num_rows, true), Pass::kThreads}, pdl,
-                 pool_and_store_kernel<Pass, true>, p);
+                 pool_and_store_kernel<Pass, Grid::kResident>, p);
           return;
         }
       }
     }
     launch(op, dev, Pass::shape(p.c.num_rows), pdl, pool_and_store_kernel<Pass>, Pass::lookahead(op, dev, p));
+  }
+
+  /// A prefill: the pool pass, then the compressor's write pass over `rows_w` plan_w rows; one grid
+  /// where the pass has one (kOneGridPrefill: one-warp units), the plan's pool pass reads no state
+  /// row and no graph captures the launch.
+  template <typename P>
+  static void run_prefill(const char* op, const Device& dev, bool pdl, P p, int64_t rows_w, bool reads_state) {
+    if constexpr (Pass::kOneGridPrefill && !Pass::kBlockUnits) {
+      if (!reads_state && !capturing(op, dev.dev)) {
+        using K = typename Compressor::K;
+        p.c.write_rows = static_cast<uint32_t>(rows_w);
+        launch(op, dev.dev, {K::pool_blocks(p.c.num_rows) + K::write_blocks(rows_w, K::kWarpsPerBlock), Pass::kThreads},
+               pdl, pool_and_store_kernel<Pass, Grid::kPoolAndWrite>, p);
+        return;
+      }
+    }
+    run(op, dev.dev, pdl, p);
+    Compressor::launch_write(op, dev, Compressor::write_pass(p.c, rows_w));
   }
 };
 
@@ -360,6 +388,7 @@ struct OnlinePass {
   using K = typename Compressor::K;
   using Params = compress::online::Params;
   static constexpr bool kBlockUnits = false;
+  static constexpr bool kOneGridPrefill = false;  // online prefills keep their two launches
   using Step = std::conditional_t<kDecode, StoreStep<float, F, K::kDecodeC, 1, K::kDecodeUnitsPerBlock>,
                                   StoreStep<float, F, 4, 1, kHeadDim / 128>>;
   static constexpr int kThreads = kDecode ? K::kDecodeThreads : K::kPrefillThreads;
@@ -461,11 +490,13 @@ struct EntryBase {
   /// The one entry point of every fused module (bindings by name on the Python side): decode when
   /// plan_w is absent, prefill otherwise; one fused kernel, or with a `rows` buffer [plan rows, hd]
   /// of InT and no `row_counts` the two steps (the compressor's kernels into `rows`, then the store
-  /// kernel). Ring c128 runs one kernel with both (one_kernel).
+  /// kernel). Ring c128 runs one kernel with both (one_kernel). `reads_state` false: the plan's pool
+  /// pass reads no state row, so a prefill's write pass may share its grid.
   static void run(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_rows,
                   Optional<TensorView> plan_w, Optional<TensorView> rows, Optional<TensorView> row_counts,
                   TensorView norm_weight, TensorView freq, TensorView out_loc, TensorView kvcache,
-                  Optional<TensorView> status, int64_t page_size, double eps, int64_t num_q_tokens) {
+                  Optional<TensorView> status, int64_t page_size, double eps, int64_t num_q_tokens,
+                  bool reads_state) {
     Device dev;
     const TensorView* buffer = rows.has_value() ? &rows.value() : nullptr;
     if (!plan_w.has_value()) {
@@ -487,12 +518,15 @@ struct EntryBase {
     const bool fused = one_kernel(kOp, dev, p, buffer, row_counts);
     attach_status(p, status_words(kOp, dev, status, 2));
     if (fused) {
-      PrefillPass::run(kOp, dev.dev, kPDL, p);
-      Compressor::launch_write(kOp, dev, Compressor::write_pass(p.c, rows_w.value));
+      PrefillPass::run_prefill(kOp, dev, kPDL, p, rows_w.value, reads_state);
+      return;
+    }
+    if constexpr (PrefillPass::kOneGridPrefill) {
+      Compressor::launch_prefill(kOp, dev, p.c, rows_w.value, reads_state);
     } else {
       Compressor::launch_prefill(kOp, dev, p.c, rows_w.value);
-      Store::launch_store(kOp, dev, p.s);
     }
+    Store::launch_store(kOp, dev, p.s);
   }
 };
 

@@ -3,7 +3,9 @@
 // Each compressor is exactly its compress_and_store (fused/fused.cuh): same checks, same passes,
 // same bytes; a grid runs both passes, blocks [0, blocks_core) the core's and the rest the
 // indexer's, so a decode step is one launch per layer instead of two, and a prefill two (the
-// fused pool-and-store passes, then the state-ring write passes) instead of four.
+// fused pool-and-store passes, then the state-ring write passes) instead of four; one where the
+// plan's pool passes read no state row (no request has a prefix): the write passes' blocks then
+// follow the pool passes' in the same grid.
 #pragma once
 
 #include "fused.cuh"
@@ -18,7 +20,9 @@ struct PairParams {
   uint32_t blocks_a;
 };
 
-template <typename PassA, typename PassB>
+/// kWrites: a prefill whose pool passes read no state row; the blocks after both pool passes' run
+/// pass B's write pass over p.b.c.write_rows rows, then pass A's, a write unit per warp.
+template <typename PassA, typename PassB, bool kWrites = false>
 __global__ __launch_bounds__(PassA::kThreads, PassA::kMinBlocks) void pair_pool_and_store_kernel(
     const __grid_constant__ PairParams<Params<typename PassA::Params>, Params<typename PassB::Params>> p) {
   static_assert(PassA::kThreads == PassB::kThreads && !PassA::kBlockUnits && !PassB::kBlockUnits,
@@ -30,6 +34,20 @@ __global__ __launch_bounds__(PassA::kThreads, PassA::kMinBlocks) void pair_pool_
   if (blockIdx.x < p.blocks_a) {
     typename PassA::Step::Sink sink{p.a.s, sh.a};
     PassA::pool_block(p.a.c, sink, blockIdx.x);
+  } else if constexpr (kWrites) {
+    // pass B's pool blocks, then its write blocks (prefill_one_grid), then pass A's write blocks
+    using KB = typename PassB::K;
+    const uint32_t block = blockIdx.x - p.blocks_a;
+    const uint32_t b_blocks = KB::pool_blocks(p.b.c.num_rows) + KB::write_blocks(p.b.c.write_rows, KB::kWarpsPerBlock);
+    if (block < b_blocks) {
+      typename PassB::Step::Sink sink{p.b.s, sh.b};
+      KB::prefill_one_grid(p.b.c, block, [&](uint32_t b) { PassB::pool_block(p.b.c, sink, b); });
+    } else {
+      using KA = typename PassA::K;
+      auto w = p.a.c;
+      w.num_rows = w.write_rows;
+      KA::template prefill_write<KA::kWarpsPerBlock>(w, block - b_blocks);
+    }
   } else {
     typename PassB::Step::Sink sink{p.b.s, sh.b};
     PassB::pool_block(p.b.c, sink, blockIdx.x - p.blocks_a);
@@ -69,7 +87,7 @@ struct C4LayerEntry {
                   TensorView indexer_kv_score_input, TensorView indexer_ape, TensorView indexer_norm_weight,
                   TensorView indexer_out_loc, TensorView indexer_kvcache, int64_t indexer_page_size,
                   TensorView plan_rows, Optional<TensorView> plan_w, TensorView freq, double eps, int64_t num_q_tokens,
-                  Optional<TensorView> status) {
+                  Optional<TensorView> status, bool reads_state) {
     Device dev;
     if (!plan_w.has_value()) {
       auto core = Core::decode_params(kCoreOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, nullptr,
@@ -90,6 +108,10 @@ struct C4LayerEntry {
                                            indexer_norm_weight, freq, indexer_out_loc, indexer_kvcache,
                                            indexer_page_size, eps, num_q_tokens);
     attach(core, indexer, status_words(kOp, dev, status, 4));
+    if (!reads_state && !capturing(kOp, dev.dev)) {
+      launch_one_grid(dev, core, indexer, core_rows_w.value, indexer_rows_w.value);
+      return;
+    }
     launch_pair<CorePrefill, IndexerPrefill>(dev, core, indexer);
     // the write passes follow both pool passes: this step's ring writes may alias rows they read
     using KA = typename Core::Compressor::K;
@@ -108,6 +130,21 @@ struct C4LayerEntry {
   static void attach(P& core, Q& indexer, int32_t* words) {
     Core::attach_status(core, words);
     Indexer::attach_status(indexer, words ? words + 2 : nullptr);
+  }
+
+  /// A prefill whose pool passes read no state row: both pool passes and both write passes in one grid.
+  template <typename P, typename Q>
+  static void launch_one_grid(const Device& dev, P core, Q indexer, int64_t core_rows_w, int64_t indexer_rows_w) {
+    using KA = typename CorePrefill::K;
+    using KB = typename IndexerPrefill::K;
+    core.c.write_rows = static_cast<uint32_t>(core_rows_w);
+    indexer.c.write_rows = static_cast<uint32_t>(indexer_rows_w);
+    const PairParams<P, Q> pair{core, indexer, KA::pool_blocks(core.c.num_rows)};
+    const uint32_t blocks = pair.blocks_a + KB::pool_blocks(indexer.c.num_rows) +
+                            KB::write_blocks(indexer_rows_w, KB::kWarpsPerBlock) +
+                            KA::write_blocks(core_rows_w, KA::kWarpsPerBlock);
+    launch(kOp, dev.dev, {blocks, CorePrefill::kThreads}, kPDL,
+           pair_pool_and_store_kernel<CorePrefill, IndexerPrefill, true>, pair);
   }
 
   template <typename PassA, typename PassB, typename P, typename Q>
