@@ -58,13 +58,15 @@ def host_times_us(fns: list[Callable[[], object]], calls: int = CALLS, batches: 
 
 
 class Inputs:
-    """One layer's operands for `api` (identity-mapped pool, fixed seeds: both APIs get equal tensors)."""
+    """One layer's operands for `api` (identity-mapped pool, fixed seeds: both APIs get equal tensors); a
+    prefill extends requests of `prefix` tokens (a chunked prefill) when it is not 0."""
 
-    def __init__(self, api, ratio: int, hd: int, batch: int, tokens: int, decode: bool, fmt: str, plan=None):
+    def __init__(self, api, ratio: int, hd: int, batch: int, tokens: int, decode: bool, fmt: str, plan=None,
+                 prefix: int = 0):
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(ratio * 1000 + hd + batch)
         ring = 8 if ratio == 4 else 128
-        ctx = -(-(tokens + 1) // SPS) * SPS
+        ctx = -(-(prefix + tokens + 1) // SPS) * SPS
         r2t = torch.arange(batch * ctx, dtype=torch.int32, device=dev).view(batch, ctx)
         f2s = torch.arange(batch * ctx + 1, dtype=torch.int64, device=dev)
         rid = torch.arange(batch, dtype=torch.int64, device=dev)
@@ -81,12 +83,12 @@ class Inputs:
             self.plan = api.CompressorDecodePlan.generate(ratio, rid, r2t, f2s, seq, SPS, ring)
         else:
             lens = torch.full((batch,), tokens, dtype=torch.int64)
-            self.plan = api.CompressorPrefillPlan.generate(ratio, rid, lens, lens, r2t, f2s, SPS, ring, num_q)
+            self.plan = api.CompressorPrefillPlan.generate(ratio, rid, lens + prefix, lens, r2t, f2s, SPS, ring, num_q)
         self.kv = torch.randn(self.plan[1].shape[0], hd, device=dev, generator=gen)
         page = PAGE[ratio]
         token_bytes = {"v4": 584, "idx-fp8": 132, "idx-fp4": 68}[fmt]
         page_bytes = -(-token_bytes * page // 576) * 576 if fmt == "v4" else token_bytes * page
-        angles = torch.rand(tokens + 1, 32, device=dev, generator=gen)
+        angles = torch.rand(prefix + tokens + 1, 32, device=dev, generator=gen)
         self.store = dict(norm_weight=torch.randn(hd, device=dev, generator=gen), norm_eps=1e-6,
                           freq_cis=torch.polar(torch.ones_like(angles), angles),
                           out_loc=torch.randperm(2 * num_q, device=dev)[:num_q],
@@ -114,10 +116,10 @@ class Inputs:
 class C4Layer:
     """A c4 layer: the core (hd 512, V4 cache) and the indexer (hd 128, fp4 cache) on one plan."""
 
-    def __init__(self, api, batch: int, tokens: int, decode: bool):
+    def __init__(self, api, batch: int, tokens: int, decode: bool, prefix: int = 0):
         self.api = api
-        self.core = Inputs(api, 4, 512, batch, tokens, decode, "v4")
-        self.indexer = Inputs(api, 4, 128, batch, tokens, decode, "idx-fp4", plan=self.core.plan)
+        self.core = Inputs(api, 4, 512, batch, tokens, decode, "v4", prefix=prefix)
+        self.indexer = Inputs(api, 4, 128, batch, tokens, decode, "idx-fp4", plan=self.core.plan, prefix=prefix)
 
     def step(self):
         if not hasattr(self.api, "compress_and_store_c4_layer"):  # two steps per compressor
@@ -165,6 +167,7 @@ def cases(api) -> dict[str, Callable[[], object]]:
     c128 = Inputs(api, 128, 512, 256, 1024, True, "v4")
     c4_prefill = Inputs(api, 4, 512, 1, 8192, False, "v4")
     idx_prefill = Inputs(api, 4, 128, 1, 8192, False, "idx-fp4")
+    idx_chunk = Inputs(api, 4, 128, 1, 8192, False, "idx-fp4", prefix=8192)  # reads the state ring: two launches
     dev = torch.device("cuda")
     rid = torch.arange(256, dtype=torch.int64, device=dev)
     r2t = torch.arange(256 * 1280, dtype=torch.int32, device=dev).view(256, 1280)
@@ -192,8 +195,10 @@ def cases(api) -> dict[str, Callable[[], object]]:
         "compress_and_store c4 decode": c4.fused,
         "compress_and_store c128 decode": c128.fused,
         "compress_and_store idx-fp4 prefill": idx_prefill.fused,
+        "compress_and_store idx-fp4 prefill after a prefix of 8192": idx_chunk.fused,
         "c4 layer decode B=256 (compress_and_store_c4_layer)": C4Layer(api, 256, 1024, True).step,
         "c4 layer prefill 1x8192 (compress_and_store_c4_layer)": C4Layer(api, 1, 8192, False).step,
+        "c4 layer prefill 1x8192 after a prefix of 8192": C4Layer(api, 1, 8192, False, prefix=8192).step,
     }
     if hasattr(api, "online_c128_mtp_write_prefix_states"):
         spec = Speculative(api)
