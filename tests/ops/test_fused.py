@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4jit import CompressorDecodePlan, compress_and_store, compress_forward, compress_norm_rope_store
+from dsv4jit import CompressorDecodePlan, compress_and_store, compress_forward, compress_norm_rope_store, set_checks
 from dsv4jit.ops import fused as fused_ops
 from helpers.compress_scenario import C4_LEGACY, C4_PAGED_8, C4_REQ_8, C128_128, C128_LEGACY, CUDA_MARKS, DEVICES
 from helpers.fused_twin import MAX_CTX, Twin, fused_entries
@@ -177,6 +177,33 @@ def test_fused_c128_decode_batch_of_many_requests(device, n):
     tw.prefill(rids, [255 - tw.sc.lens[r] if r % 3 == 0 else 127 - tw.sc.lens[r] for r in rids])
     tw.decode(rids)  # every request closes one
     assert tw.stored_steps == 2
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("bad", ["out_loc", "freq_cis"])
+def test_fused_c128_decode_skips_a_row_it_cannot_store(device, bad, loc_dtype):
+    """Four requests close a window; one row's cache location (or rope position) is out of range. The
+    ring c128 decode stores rows from operands its blocks preloaded while pooling: it skips that row
+    as the store step does, stores the others, and checked mode names the argument."""
+    tw = Twin(device, C128_128, "v4_fp8")
+    r = tw.sc.R
+    tw.prefill([0, 1, 2, 3], [r - 1, 2 * r - 1, r - 1, 3 * r - 1])
+    x, plan = tw.sc.random_rows(4), tw.sc.decode_plan([0, 1, 2, 3])  # rope positions 0, r, 0, 2r
+    out_loc = tw.out_loc(4, loc_dtype)
+    if bad == "out_loc":
+        out_loc[1] = tw.cache_a.shape[0] * tw.page_size  # one past the cache's last location
+    else:
+        tw.freq_cis = tw.freq_cis[:2 * r - 1]  # the last request's position 2r is past the table
+    stored = tw.stored_steps
+    tw.run_both(x, plan, out_loc)
+    assert tw.stored_steps == stored + 1, "the other rows were stored"
+    set_checks(True)
+    try:
+        with pytest.raises(ValueError, match=bad):
+            tw.fused(x, plan, out_loc)
+    finally:
+        set_checks(None)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])

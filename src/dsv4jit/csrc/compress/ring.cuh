@@ -357,9 +357,7 @@ struct Kernels {
       return;
     }
     sink.prepare(lane);
-    if constexpr (requires { sink.at_boundary(lane, plan.seq_len); }) {
-      if (boundary) sink.at_boundary(lane, plan.seq_len);
-    }
+    if constexpr (requires { sink.preload(lane, plan.seq_len); }) sink.preload(lane, plan.seq_len);
     // No load may move above a store (they might alias). Off boundary nothing is loaded, so the token
     // store goes at once; at a boundary it goes after the window loads, which then all leave together.
     if (last_warp && !pooled) store_state_row(p, token, plan.write_loc, lane.channel);
@@ -572,9 +570,7 @@ struct Kernels {
     Vec<InT, C> token[W::kGroups];
     if (last_warp) load_token(static_cast<const InT*>(p.input) + uint64_t{lane.row} * W::kRowWidth, lane.channel, token);
     sink.prepare(lane);
-    if constexpr (requires { sink.at_boundary(lane, plan.seq_len); }) {
-      if (boundary) sink.at_boundary(lane, plan.seq_len);
-    }
+    if constexpr (requires { sink.preload(lane, plan.seq_len); }) sink.preload(lane, plan.seq_len);
     if (!pooled) {  // a boundary row whose page is out of range (or a row the store step takes) gets zeros
       if (boundary && lane.channel == 0 && lane.warp_in_unit == 0) report_status(p, kStatePageOutOfRange);
 #pragma unroll

@@ -12,8 +12,9 @@
 //             overlapping the window loads.
 //   block units (ring c128): a block pools one 64-channel slice of a row and writes it to the
 //             row's line of a scratch buffer; the last of the row's 8 blocks to finish (a counter
-//             per row) stores the row with the store kernel's own row step. No block waits for
-//             another.
+//             per row) stores the row with the store kernel's own row step, in decode from the
+//             norm weight, rope row and location each block copied into shared memory while its
+//             window loaded. No block waits for another.
 //   slices in turn (online prefill): one block pools a row's 8 slices one after another, gathers
 //             the row in shared memory and stores it as one-warp chunks
 //
@@ -168,7 +169,13 @@ struct LastSliceStores {
   using RowStore = store::Kernel<InT, F, kPDL, kWarpSize>;
   static constexpr int kHeadDim = store::Layout<F>::kHeadDim;
   static_assert(!store::Layout<F>::kIndexer, "ring c128 rows are V4 rows");
-  struct Shared {};
+  /// The row store's operands, brought in while a decode row pools (Sink::preload).
+  struct Shared {
+    alignas(16) InT weight[kHeadDim];
+    alignas(16) float freq[store::kRopeDim];
+    alignas(8) int64_t loc;  // an int32 entry lands in its low half
+    uint32_t seq_len;
+  };
 
   struct Sink {
     static constexpr int kMergeWarps = 1;
@@ -178,23 +185,47 @@ struct LastSliceStores {
     // at a boundary (docs/performance.md).
     static constexpr bool kPrefetches = false;
     const store::Params& p;
+    Shared& sh;
     InT* rows;
     int32_t* row_counts;
 
     template <typename Lane>
-    DSV4_DEV void prepare(const Lane&) {}  // the row store loads its own operands
+    DSV4_DEV void prepare(const Lane&) {}
 
-    /// A decode row at a boundary: one thread of the row brings the out_loc entry and the rope row
-    /// its last block's store reads into L2 while the window loads, off that block's chain.
+    /// A decode row the store step takes (`seq_len`: its plan row's): the merging warp of each of
+    /// its blocks copies the norm weight, the rope row and the location into shared memory while
+    /// the window loads, so that the block which stores the row waits only for the other slices
+    /// (store::PreloadedOperands), not for the weight and the plan -> location -> rope chain.
     template <typename Lane>
-    DSV4_DEV void at_boundary(const Lane& lane, uint32_t seq_len) {
-      if (lane.channel != 0 || lane.warp_in_unit != 0) return;
-      prefetch_l2(static_cast<const char*>(p.out_loc) + uint64_t{lane.row} * (p.loc64 ? 8 : 4));
+    DSV4_DEV void preload(const Lane& lane, uint32_t seq_len) {
+      if (lane.warp_in_unit != 0) return;
+      const int l = threadIdx.x % kWarpSize;
+      constexpr int kWeightCopies = kHeadDim * sizeof(InT) / 16;
+      static_assert(kWeightCopies % kWarpSize == 0 && store::kRopeDim * sizeof(float) / 16 <= kWarpSize - 1);
+#pragma unroll
+      for (int i = l; i < kWeightCopies; i += kWarpSize) {
+        cp_async<16>(reinterpret_cast<char*>(sh.weight) + 16 * i, static_cast<const char*>(p.norm_weight) + 16 * i);
+      }
       const int64_t position = int64_t{seq_len} - p.ratio;
-      if (!store::position_ok(p, position)) return;
-      const float* rope = p.freq + position * store::kRopeDim;
-      prefetch_l2(rope);
-      prefetch_l2(rope + store::kRopeDim / 2);  // the table's 256-byte rows span two lines
+      if (l < store::kRopeDim / 4 && store::position_ok(p, position)) {
+        cp_async<16>(&sh.freq[4 * l], p.freq + position * store::kRopeDim + 4 * l);
+      }
+      if (l == 0) sh.seq_len = seq_len;
+      if (l == kWarpSize - 1) {
+        if (p.loc64) {
+          cp_async<8>(&sh.loc, static_cast<const int64_t*>(p.out_loc) + lane.row);
+        } else {
+          cp_async<4>(&sh.loc, static_cast<const int32_t*>(p.out_loc) + lane.row);
+        }
+      }
+    }
+
+    /// The operands preload() brought in, once every lane's copies are waited for and the warp has
+    /// met (each lane reads what others copied); the selection is store::select()'s.
+    DSV4_DEV store::PreloadedOperands<InT> preloaded_operands() const {
+      const uint32_t seq_len = sh.seq_len;
+      const int64_t loc = p.loc64 ? sh.loc : *reinterpret_cast<const int32_t*>(&sh.loc);
+      return {sh.weight, sh.freq, loc, int64_t{seq_len} - p.ratio, (seq_len & (p.ratio - 1)) == 0};
     }
 
     template <typename Lane, int C>
@@ -208,18 +239,34 @@ struct LastSliceStores {
       __threadfence();  // the slice is visible before it is counted
       __syncwarp();
       int before = 0;
-      if (l == 0) before = atomicAdd(row_counts + lane.row, 1);
+      if (l == 0) before = fetch_add_acquire(row_counts + lane.row);
       before = __shfl_sync(kFullMask, before, 0);
+      // Every decode row that reaches here was preloaded (the decode passes call preload() for
+      // each row they hand over); prefill rows never are.
+      const bool preloaded = p.is_decode;
+      if (preloaded) cp_async_wait_all();  // no copy lands after the block has left
       if (before != kSlices - 1) return;
+      __syncwarp();  // lane 0's acquire orders every lane's reads of the other slices (and of sh)
       if (l == 0) row_counts[lane.row] = 0;  // the row's blocks are done with it: zero for the next call
-      __threadfence();  // the other slices are read after their counts
-      RowStore::store_v4_row(p, lane.row, l);
+      if (preloaded) {
+        RowStore::store_v4_row(p, lane.row, l, preloaded_operands());
+      } else {
+        RowStore::store_v4_row(p, lane.row, l);
+      }
+    }
+
+    /// The count before this one, with acquire semantics: what the blocks counted before wrote
+    /// (each fenced its slice before counting) is visible to the loads that follow.
+    DSV4_DEV static int fetch_add_acquire(int32_t* count) {
+      int before;
+      asm volatile("atom.acquire.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
+      return before;
     }
   };
 
   template <typename P>
-  static DSV4_DEV Sink sink(const P& p, Shared&) {
-    return {p.s, static_cast<InT*>(p.rows), p.row_counts};
+  static DSV4_DEV Sink sink(const P& p, Shared& sh) {
+    return {p.s, sh, static_cast<InT*>(p.rows), p.row_counts};
   }
 };
 

@@ -33,6 +33,35 @@ namespace dsv4::store {
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
+/// Where a row store takes the norm weight, the rope row and the location from: the tensors and the
+/// plan (FromGlobal), or copies in shared memory (PreloadedOperands) that a fused kernel brought in
+/// while it pooled the row, with the selection and position that select() would find.
+template <typename DType>
+struct FromGlobal {
+  DSV4_DEV const DType* weight(const Params& p) const { return static_cast<const DType*>(p.norm_weight); }
+  DSV4_DEV const float* rope_row(const Params& p, int64_t position) const { return p.freq + position * kRopeDim; }
+  template <int kLanes>
+  DSV4_DEV bool select(const Params& p, uint32_t row, int64_t& loc, int64_t& position) const {
+    return row < p.rows && store::select<kLanes>(p, row, loc, position);
+  }
+};
+
+template <typename DType>
+struct PreloadedOperands {
+  const DType* weight_row;  // [hd]
+  const float* freq;        // the position's rope row [kRopeDim], filled where position_ok()
+  int64_t loc, position;
+  bool selected;
+
+  DSV4_DEV const DType* weight(const Params&) const { return weight_row; }
+  DSV4_DEV const float* rope_row(const Params&, int64_t) const { return freq; }
+  template <int kLanes>
+  DSV4_DEV bool select(const Params&, uint32_t, int64_t& loc_out, int64_t& position_out) const {
+    loc_out = loc, position_out = position;
+    return selected;
+  }
+};
+
 /// The store kernel for rows of format F on kLanes lanes each.
 template <typename DType, Format F, bool kPDL, int kLanes>
 struct Kernel {
@@ -61,15 +90,17 @@ struct Kernel {
   /// The store of lane j's part of plan row `row` (its kLanes lanes call it together), the steps
   /// every format shares around its codec: loads, selection, RMS scale, normalize and rotate, then
   /// `encode(x, j)` of the lane's normalized groups and, once the location is checked,
-  /// `write(slot, j, codes)`. The caller has waited for the kernels upstream.
-  template <typename Encode, typename Write>
-  static DSV4_DEV void store_row(const Params& p, uint32_t row, int j, Encode&& encode, Write&& write) {
+  /// `write(slot, j, codes)`. The weight, rope row and location come from `operands` (FromGlobal,
+  /// or PreloadedOperands). The caller has waited for the kernels upstream.
+  template <typename Operands, typename Encode, typename Write>
+  static DSV4_DEV void store_row(const Params& p, uint32_t row, int j, const Operands& operands, Encode&& encode,
+                                 Write&& write) {
     // The row and the weight do not depend on the plan: their loads go out first, in parallel
     // with the plan -> out_loc -> rope-table chain. Whole warps stay together to the end (their
     // reductions shuffle over the full mask): a row that is not stored runs along (rows past the
     // end on the last one) and skips its stores.
     const DType* x_row = static_cast<const DType*>(p.kv) + uint64_t{min(row, p.rows - 1)} * L::kHeadDim;
-    const DType* w_row = static_cast<const DType*>(p.norm_weight);
+    const DType* w_row = operands.weight(p);
     Vec<DType, 4> xv[kGroups], wv[kGroups];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -79,14 +110,15 @@ struct Kernel {
     // The location and the rope-table row depend on the plan row only: both loads go out as soon
     // as it is in, and the RMS scale runs while they are in flight.
     int64_t loc = 0, position = 0;
-    const bool selected = row < p.rows && select<kLanes>(p, row, loc, position);
+    const bool selected = operands.template select<kLanes>(p, row, loc, position);
     if (!__any_sync(kFullMask, selected)) return;
+    const float* rope_row = operands.rope_row(p, position);
     float f[kGroups][4] = {};
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const int v = R::vlane(j, g);
       if (may_rope(g) && v >= L::kRopeLane && selected && position_ok(p, position)) {
-        const Vec<float, 4> fv = load_vec<4>(p.freq + position * kRopeDim + 4 * (v - L::kRopeLane));
+        const Vec<float, 4> fv = load_vec<4>(rope_row + 4 * (v - L::kRopeLane));
 #pragma unroll
         for (int c = 0; c < 4; ++c) f[g][c] = fv[c];
       }
@@ -118,10 +150,11 @@ struct Kernel {
   };
 
   /// A V4 row (a warp, lane j): each 128-channel chunk as bf16, or e4m3 with its tiles' scales. Also
-  /// the ring c128 fused kernels' store of a row (fused/fused.cuh).
-  static DSV4_DEV void store_v4_row(const Params& p, uint32_t row, int j) {
+  /// the ring c128 fused kernels' store of a row (fused/fused.cuh), with operands they preloaded.
+  template <typename Operands = FromGlobal<DType>>
+  static DSV4_DEV void store_v4_row(const Params& p, uint32_t row, int j, const Operands& operands = {}) {
     store_row(
-        p, row, j,
+        p, row, j, operands,
         [](float (&x)[kGroups][4], int j) {
           V4Chunks out;
 #pragma unroll
@@ -138,7 +171,8 @@ struct Kernel {
   template <typename Fp4Codec>
   static DSV4_DEV void store_indexer_row(const Params& p, uint32_t row, int j, const Fp4Codec& fp4) {
     store_row(
-        p, row, j, [&](float (&x)[kGroups][4], int j) { return encode_indexer<F, kLanes>(x, j, fp4); },
+        p, row, j, FromGlobal<DType>{},
+        [&](float (&x)[kGroups][4], int j) { return encode_indexer<F, kLanes>(x, j, fp4); },
         [](const Slot& slot, int j, const IndexerCodes<kLanes>& codes) { write_indexer<F, kLanes>(slot, j, codes); });
   }
 
