@@ -357,6 +357,8 @@ struct Kernels {
       return;
     }
     sink.prepare(lane);
+    // A sink that stores the row from operands of its own (the ring c128 store step) starts their
+    // copies here, beside the window loads.
     if constexpr (requires { sink.preload(lane, plan.seq_len); }) sink.preload(lane, plan.seq_len);
     // No load may move above a store (they might alias). Off boundary nothing is loaded, so the token
     // store goes at once; at a boundary it goes after the window loads, which then all leave together.
