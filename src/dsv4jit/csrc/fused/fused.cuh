@@ -173,7 +173,7 @@ struct LastSliceStores {
   struct Shared {
     alignas(16) InT weight[kHeadDim];
     alignas(16) float freq[store::kRopeDim];
-    alignas(8) int64_t loc;  // an int32 entry lands in its low half
+    alignas(8) int64_t loc;  // the row's out_loc entry (int32 or int64: store::loc_entry reads it)
     uint32_t seq_len;
   };
 
@@ -206,7 +206,7 @@ struct LastSliceStores {
       for (int i = l; i < kWeightCopies; i += kWarpSize) {
         cp_async<16>(reinterpret_cast<char*>(sh.weight) + 16 * i, static_cast<const char*>(p.norm_weight) + 16 * i);
       }
-      const int64_t position = int64_t{seq_len} - p.ratio;
+      const int64_t position = store::rope_position(p, seq_len);
       if (l < store::kRopeDim / 4 && store::position_ok(p, position)) {
         cp_async<16>(&sh.freq[4 * l], p.freq + position * store::kRopeDim + 4 * l);
       }
@@ -223,9 +223,8 @@ struct LastSliceStores {
     /// The operands preload() brought in, once every lane's copies are waited for and the warp has
     /// met (each lane reads what others copied); the selection is store::select()'s.
     DSV4_DEV store::PreloadedOperands<InT> preloaded_operands() const {
-      const uint32_t seq_len = sh.seq_len;
-      const int64_t loc = p.loc64 ? sh.loc : *reinterpret_cast<const int32_t*>(&sh.loc);
-      return {sh.weight, sh.freq, loc, int64_t{seq_len} - p.ratio, (seq_len & (p.ratio - 1)) == 0};
+      return {sh.weight, sh.freq, store::loc_entry(p, &sh.loc, 0), store::rope_position(p, sh.seq_len),
+              store::closes_window(p, sh.seq_len)};
     }
 
     template <typename Lane, int C>

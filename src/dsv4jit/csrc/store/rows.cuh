@@ -17,9 +17,18 @@ DSV4_DEV void report(const Params& p, int32_t bit) {
   if (p.status != nullptr && threadIdx.x % kLanes == 0) atomicOr(p.status, bit);
 }
 
-DSV4_DEV int64_t load_loc(const Params& p, int64_t i) {
-  return p.loc64 ? static_cast<const int64_t*>(p.out_loc)[i] : static_cast<const int32_t*>(p.out_loc)[i];
+/// Entry i of an out_loc array at `entries` (p.out_loc, or a copy of its entries), int64 or int32.
+DSV4_DEV int64_t loc_entry(const Params& p, const void* entries, int64_t i) {
+  return p.loc64 ? static_cast<const int64_t*>(entries)[i] : static_cast<const int32_t*>(entries)[i];
 }
+
+DSV4_DEV int64_t load_loc(const Params& p, int64_t i) { return loc_entry(p, p.out_loc, i); }
+
+/// Whether a decode row whose plan says `seq_len` compresses a row this step (R: 4 or 128).
+DSV4_DEV bool closes_window(const Params& p, uint32_t seq_len) { return (seq_len & (p.ratio - 1)) == 0; }
+
+/// The rope position of the row that a plan row's `seq_len` closes: the first token of its block of R.
+DSV4_DEV int64_t rope_position(const Params& p, uint32_t seq_len) { return int64_t{seq_len} - p.ratio; }
 
 /// The plan side of which rows are stored: whether `row` is, its rope position and its cache
 /// location. The location load is only issued here (first used by check()), so callers can
@@ -30,7 +39,7 @@ DSV4_DEV bool select(const Params& p, uint32_t row, int64_t& loc, int64_t& posit
   if (p.is_decode) {
     seq_len = static_cast<const DecodePlan*>(p.plan)[row].seq_len;
     loc = load_loc(p, row);  // decode locations do not depend on the plan: load in parallel
-    if ((seq_len & (p.ratio - 1)) != 0) return false;  // no compress event this step (R: 4 or 128)
+    if (!closes_window(p, seq_len)) return false;  // no compress event this step
   } else {
     // an online segment row (OnlinePlan) has seq_len and ragged_id where CompressPlan has them
     const CompressPlan c = load_row(static_cast<const CompressPlan*>(p.plan), row);
@@ -42,7 +51,7 @@ DSV4_DEV bool select(const Params& p, uint32_t row, int64_t& loc, int64_t& posit
     seq_len = c.seq_len;
     loc = load_loc(p, c.ragged_id);  // out_loc is indexed by ragged token id in prefill
   }
-  position = int64_t{seq_len} - p.ratio;
+  position = rope_position(p, seq_len);
   return true;
 }
 
