@@ -323,11 +323,12 @@ struct Kernels {
   /// registers: same values the ring now holds); else zero the output.
   /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and every
   /// window slot at once, the token store behind them. The pooling comes after all of them. With a
-  /// sink that prefetches, the first round trip finds its lines in L2 (prefetch_unit).
+  /// sink that prefetches, the first round trip finds its lines in L2 (prefetch_unit; a c128 unit
+  /// only after the first wave of blocks).
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
     if constexpr (Sink::kPrefetches) {
-      prefetch_unit(p, lane, lane.row);
+      if constexpr (kPrefetchesOwnUnit) prefetch_unit(p, lane, lane.row);
       if (p.ahead_rows != 0) prefetch_unit(p, lane, lane.row + p.ahead_rows);
     }
     pdl_wait_upstream<kPDL>();
@@ -383,10 +384,13 @@ struct Kernels {
   }
 
   /// Brings a decode unit's plan row and token slice into L2: its own before the upstream wait (while
-  /// the kernel before it finishes), and those of the unit one wave of blocks ahead (`row` =
-  /// lane.row + p.ahead_rows), whose block then finds them there instead of in DRAM. Allowed before
-  /// the wait: a prefetch returns nothing, and L2 is coherent, so a line that a running kernel still
-  /// writes is never read stale.
+  /// the kernel before it finishes; c4 units only, kPrefetchesOwnUnit), and those of the unit one wave
+  /// of blocks ahead (`row` = lane.row + p.ahead_rows), whose block then finds them there instead of
+  /// in DRAM. Allowed before the wait: a prefetch returns nothing, and L2 is coherent, so a line that
+  /// a running kernel still writes is never read stale.
+  /// A c128 unit (a block of its own) prefetches only the unit a wave ahead: its own row's prefetch
+  /// before the wait made multi-wave c128 decodes slower (docs/performance.md, "Decode prefetch").
+  static constexpr bool kPrefetchesOwnUnit = kRatio != 128;
   static DSV4_DEV void prefetch_unit(const Params& p, const Lane& lane, uint32_t row) {
     if (row >= p.num_rows || threadIdx.x % kWarpSize != 0) return;
     if (lane.warp_in_unit == 0 && lane.channel == 0) {

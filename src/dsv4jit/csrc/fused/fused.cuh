@@ -181,9 +181,9 @@ struct LastSliceStores {
     static constexpr int kMergeWarps = 1;
     static constexpr bool kHoldersOnly = true;
     static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
-    // No decode prefetch: measured no faster in a model step's c128 layers, slower for batches all
-    // at a boundary (docs/performance.md).
-    static constexpr bool kPrefetches = false;
+    // Decode prefetch of the unit a wave ahead only (a c128 unit does not prefetch its own row:
+    // compress/ring.cuh, kPrefetchesOwnUnit; docs/performance.md, "Decode prefetch").
+    static constexpr bool kPrefetches = true;
     const store::Params& p;
     Shared& sh;
     InT* rows;
