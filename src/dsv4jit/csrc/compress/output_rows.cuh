@@ -19,7 +19,6 @@ struct OutputRows {
   static constexpr int kMergeWarps = kMergeWarpsOfUnit;
   static constexpr bool kHoldersOnly = true;
   static constexpr bool kTakesIdleRows = true;  // decode rows off a boundary are zero-filled
-  static constexpr bool kPrefetches = true;     // decode units prefetch (ring.cuh prefetch_unit)
   const Params& p;
 
   template <typename Lane>

@@ -322,15 +322,13 @@ struct Kernels {
   /// token; at a boundary pool the whole window from the ring (the last slot straight from
   /// registers: same values the ring now holds); else zero the output.
   /// Two dependent round trips: the plan row, with the token beside it; then the ape rows and every
-  /// window slot at once, the token store behind them. The pooling comes after all of them. With a
-  /// sink that prefetches, the first round trip finds its lines in L2 (prefetch_unit; a c128 unit
-  /// only after the first wave of blocks).
+  /// window slot at once, the token store behind them. The pooling comes after all of them. The
+  /// first round trip finds its lines in L2 (prefetch_unit; a c128 unit only after the first wave of
+  /// blocks).
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, const Lane& lane, Sink& sink) {
-    if constexpr (Sink::kPrefetches) {
-      if constexpr (kPrefetchesOwnUnit) prefetch_unit(p, lane, lane.row);
-      if (p.ahead_rows != 0) prefetch_unit(p, lane, lane.row + p.ahead_rows);
-    }
+    if constexpr (kPrefetchesOwnUnit) prefetch_unit(p, lane, lane.row);
+    if (p.ahead_rows != 0) prefetch_unit(p, lane, lane.row + p.ahead_rows);
     pdl_wait_upstream<kPDL>();
     if (lane.row >= p.num_rows) return;
     const bool last_warp = lane.warp_in_unit == W::kWarpsPerUnit - 1;
@@ -383,14 +381,15 @@ struct Kernels {
     sink.emit(merged_lane<M>(lane), holds, v);
   }
 
-  /// Brings a decode unit's plan row and token slice into L2: its own before the upstream wait (while
-  /// the kernel before it finishes; c4 units only, kPrefetchesOwnUnit), and those of the unit one wave
-  /// of blocks ahead (`row` = lane.row + p.ahead_rows), whose block then finds them there instead of
-  /// in DRAM. Allowed before the wait: a prefetch returns nothing, and L2 is coherent, so a line that
-  /// a running kernel still writes is never read stale.
   /// A c128 unit (a block of its own) prefetches only the unit a wave ahead: its own row's prefetch
   /// before the wait made multi-wave c128 decodes slower (docs/performance.md, "Decode prefetch").
   static constexpr bool kPrefetchesOwnUnit = kRatio != 128;
+
+  /// Brings a decode unit's plan row and token slice into L2 before the upstream wait: its own (while
+  /// the kernel before it finishes; kPrefetchesOwnUnit), and those of the unit one wave of blocks
+  /// ahead (`row` = lane.row + p.ahead_rows), whose block then finds them there instead of in DRAM.
+  /// Allowed before the wait: a prefetch returns nothing, and L2 is coherent, so a line that a
+  /// running kernel still writes is never read stale.
   static DSV4_DEV void prefetch_unit(const Params& p, const Lane& lane, uint32_t row) {
     if (row >= p.num_rows || threadIdx.x % kWarpSize != 0) return;
     if (lane.warp_in_unit == 0 && lane.channel == 0) {

@@ -79,7 +79,6 @@ struct StoreStep {
     static constexpr int kMergeWarps = 1;
     static constexpr bool kHoldersOnly = false;
     static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
-    static constexpr bool kPrefetches = true;      // decode units prefetch (compress/ring.cuh prefetch_unit)
     const store::Params& p;
     Shared& sh;
     int64_t loc = 0, position = 0;
@@ -181,9 +180,6 @@ struct LastSliceStores {
     static constexpr int kMergeWarps = 1;
     static constexpr bool kHoldersOnly = true;
     static constexpr bool kTakesIdleRows = false;  // a decode row off a boundary is not stored
-    // Decode prefetch of the unit a wave ahead only (a c128 unit does not prefetch its own row:
-    // compress/ring.cuh, kPrefetchesOwnUnit; docs/performance.md, "Decode prefetch").
-    static constexpr bool kPrefetches = true;
     const store::Params& p;
     Shared& sh;
     InT* rows;
@@ -360,7 +356,7 @@ struct RingPass {
   /// A decode's parameters with the compressor's prefetch a wave of blocks ahead (K::prefetch_unit).
   template <typename P>
   static P lookahead(const char* op, DLDevice dev, P p) {
-    if constexpr (kDecode && Step::Sink::kPrefetches) p.c = Compressor::with_lookahead(op, dev, p.c);
+    if constexpr (kDecode) p.c = Compressor::with_lookahead(op, dev, p.c);
     return p;
   }
   template <typename Sink>
