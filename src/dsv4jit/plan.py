@@ -161,13 +161,33 @@ def _check_copy(self, other, fields) -> None:
 
 @dataclass
 class CompressorDecodePlan:
-    """Decode plan: one 16-byte DecodePlan row per request (``plan[1]`` is ``plan_d``)."""
+    """Decode plan: one 16-byte DecodePlan row per request (``plan[1]``, ``plan_rows``, is ``plan_d``)."""
 
     compress_ratio: int
     plan_d: torch.Tensor
 
     @property
     def is_decode(self) -> bool:
+        return True
+
+    @property
+    def plan_rows(self) -> torch.Tensor:
+        """The rows the compress and store passes read: plan_d."""
+        return self.plan_d
+
+    @property
+    def write_rows(self) -> None:
+        """A decode writes each request's token from its plan row: no write rows."""
+        return None
+
+    @property
+    def kernel_num_q_tokens(self) -> int:
+        """Decode rows bound out_loc themselves (one entry per row): -1, as the kernels take it."""
+        return -1
+
+    @property
+    def reads_state(self) -> bool:
+        """A decode window reads the state ring."""
         return True
 
     def __getitem__(self, index):
@@ -220,7 +240,7 @@ class CompressorDecodePlan:
 
 @dataclass
 class CompressorPrefillPlan:
-    """Prefill plan: CompressPlan rows (``plan[1]``) and WritePlan rows (``plan[2]``), or an online
+    """Prefill plan: CompressPlan rows (``plan[1]``, ``plan_rows``) and WritePlan rows (``plan[2]``), or an online
     plan's OnlinePlan segment rows in both."""
 
     compress_ratio: int
@@ -238,6 +258,22 @@ class CompressorPrefillPlan:
     @property
     def is_decode(self) -> bool:
         return False
+
+    @property
+    def plan_rows(self) -> torch.Tensor:
+        """The rows the compress and store passes read: plan_c."""
+        return self.plan_c
+
+    @property
+    def write_rows(self) -> torch.Tensor:
+        """The state-ring write pass's rows: plan_w."""
+        return self.plan_w
+
+    @property
+    def kernel_num_q_tokens(self) -> int:
+        """num_q_tokens as the kernels take it (the least number of out_loc entries): -1 where no
+        generate* recorded it."""
+        return -1 if self.num_q_tokens is None else self.num_q_tokens
 
     def __getitem__(self, index):
         return (self.compress_ratio, self.plan_c, self.plan_w, self.pin_buffer)[index]

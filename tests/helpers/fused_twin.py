@@ -4,6 +4,8 @@ compress_norm_rope_store) and one through compress_and_store, compared bit for b
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from dsv4jit import compress_and_store, compress_forward, compress_norm_rope_store
@@ -97,9 +99,9 @@ class Twin:
 
 def fused_entries(monkeypatch) -> list[tuple[str, str]]:
     """The (kernel, path) of every fused-module call from now on (runs_fused's choice): path is
-    decode or prefill, with _two_step where the call passed a buffer for the compressed rows and no
-    row counters (with counters the buffer is the ring c128 kernel's scratch)."""
+    decode or prefill, with _two_step where the call asked for the two steps (one_kernel false)."""
     calls, function = [], fused_ops.runtime.function
+    names = list(inspect.signature(fused_ops.run_fused).parameters)[1:]  # the kernels' parameters, by name
 
     def spy(name, entry, *args, **params):
         fn = function(name, entry, *args, **params)
@@ -107,9 +109,9 @@ def fused_entries(monkeypatch) -> list[tuple[str, str]]:
             return fn
 
         def run(*a):
-            plan_w, rows, counts = a[4], a[5], a[6]
-            two_step = rows is not None and counts is None
-            calls.append((name, ("decode" if plan_w is None else "prefill") + ("_two_step" if two_step else "")))
+            named = dict(zip(names, a))
+            path = ("decode" if named["is_decode"] else "prefill") + ("" if named["one_kernel"] else "_two_step")
+            calls.append((name, path))
             return fn(*a)
 
         return run

@@ -144,7 +144,7 @@ def test_ring_c128_calls_share_their_plan_scratch(device):
     plan = tw.sc.decode_plan(rids)
     for _ in range(3):
         tw.run_both(tw.sc.random_rows(n), plan, tw.out_loc(n))
-        counts = fused_ops.plan_row_counts(plan[1])
+        counts = fused_ops.plan_row_counts(plan.plan_rows)
         assert counts.shape == (n,) and not counts.any(), "row counters left non-zero"
     assert tw.stored_steps == 4  # the prefill (the odd requests close a window) and the three calls
 
@@ -349,9 +349,16 @@ def test_fast_path_reuses_the_scratch_of_the_plan_it_last_saw():
     a plan's scratch alive."""
     import gc
 
+    import inspect
+
     seen = []
-    launch = fused_ops._launcher(lambda *args: seen.append(args[5:7]), 128, 512, True, False, None, None,
-                                 torch.float32)
+    names = list(inspect.signature(fused_ops.run_fused).parameters)[1:]  # the kernel's parameters, by name
+
+    def kernel(*args):
+        named = dict(zip(names, args))
+        seen.append((named["rows"], named["row_counts"]))
+
+    launch = fused_ops._launcher(kernel, 128, 512, True, False, None, None, torch.float32)
     x = torch.zeros(1)
 
     def call(plan):

@@ -170,15 +170,16 @@ def test_opcheck_online(decode):
     plan_w = None if decode else plan.plan_w
     x = torch.randn(3 if decode else plan.num_q_tokens, 2 * hd, generator=gen)
     ape = torch.randn(128, hd, generator=gen)
-    out = torch.empty(plan[1].shape[0], hd)
-    torch.library.opcheck(torch.ops.dsv4jit.compress_online.default, (state, x, ape, plan[1], plan_w, out, hd))
+    out = torch.empty(plan.plan_rows.shape[0], hd)
+    torch.library.opcheck(torch.ops.dsv4jit.compress_online.default,
+                          (state, x, ape, plan.plan_rows, plan_w, out, hd, decode))
     angles = torch.rand(512, 32, generator=gen)
     freq = torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(1)
     out_loc = torch.randperm(x.shape[0], generator=gen)
     kvcache = torch.zeros(x.shape[0] // 2 + 1, page_bytes("v4_fp8", 2), dtype=torch.uint8)
     num_q = -1 if decode else plan.num_q_tokens
-    args = (state, x, ape, plan[1], plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, "v4_fp8", 2,
-            1e-6, num_q)
+    args = (state, x, ape, plan.plan_rows, plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, "v4_fp8",
+            2, 1e-6, num_q, decode)
     torch.library.opcheck(torch.ops.dsv4jit.compress_and_store_online.default, args)
     torch.ops.dsv4jit.compress_and_store_online.default(*args)
     assert kvcache.any(), "the step stored nothing: a vacuous test"

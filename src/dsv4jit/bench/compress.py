@@ -50,7 +50,7 @@ class Case:
             self.plan = CompressorPrefillPlan.generate(ratio, rpi, seq_t.cpu(), ext_t, r2t, f2s, SWA_PAGE, ring, tokens)
         self.input = (2 * torch.randn(tokens, last_dim, device=dev)).to(dtype)
         self.ape = torch.randn(8 if ratio == 4 else 128, hd, device=dev).to(dtype)
-        self.out = torch.empty(self.plan[1].shape[0], hd, device=dev, dtype=dtype)
+        self.out = torch.empty(self.plan.plan_rows.shape[0], hd, device=dev, dtype=dtype)
         self.bytes = self._bytes(decode, state_dtype.itemsize, dtype.itemsize)
 
     def _bytes(self, decode, state_b, in_b) -> int:

@@ -38,7 +38,7 @@ class Case:
                   else bench_compress.Case(name, ratio, hd, seq, ext, decode))
         self.op = dict(head_dim=hd, compress_ratio=ratio, is_online=online)
         dev = self.c.state.device
-        rows = self.c.plan[1].shape[0]
+        rows = self.c.plan.plan_rows.shape[0]
         tokens = self.c.input.shape[0]
         page_size = PAGE_SIZE[ratio]
         pages = (max(rows, tokens) + page_size - 1) // page_size + 1

@@ -52,7 +52,7 @@ class OnlineCase:
                           + merges * 3 * HD * sb + int(c.valid.sum()) * HD * 4 + int(w.valid.sum()) * 3 * HD * sb)
         self.input = 2 * torch.randn(tokens, 2 * HD, device=dev)
         self.ape = torch.randn(128, HD, device=dev)
-        self.out = torch.empty(self.plan[1].shape[0], HD, device=dev)
+        self.out = torch.empty(self.plan.plan_rows.shape[0], HD, device=dev)
 
     def __call__(self):
         compress_forward(self.state, self.input, self.ape, self.plan, head_dim=HD, compress_ratio=128, out=self.out,

@@ -36,22 +36,6 @@ def state_pool(buffer: torch.Tensor, rows_per_page: int, width: int) -> torch.Te
     return buffer
 
 
-def write_rows(plan) -> Optional[torch.Tensor]:
-    """plan_w of a prefill plan, None for a decode plan: what the custom ops take as `plan_w`."""
-    return None if plan.is_decode else plan.plan_w
-
-
-def reads_state(plan) -> bool:
-    """Whether the plan's pool pass may read state rows: a prefill plan's ``reads_state``; True for a
-    decode plan (the kernels take it for prefills only)."""
-    return plan.is_decode or plan.reads_state
-
-
-def num_q_tokens(plan) -> int:
-    """What a prefill plan recorded (bounds out_loc); -1 for decode plans and plans built by hand."""
-    return -1 if plan.is_decode or plan.num_q_tokens is None else plan.num_q_tokens
-
-
 def scalars(op: str, ints: dict, flags: dict) -> None:
     """TypeError naming an int or bool argument of another type (the callers test the types first)."""
     for name, value in ints.items():

@@ -16,7 +16,7 @@ from ..family import Family, KernelChoice
 from ..geometry import row_width
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from ..reference import compress as ref_compress
-from . import common, compressor, online
+from . import binding, common, compressor, online
 
 _OP = "compress_forward"
 
@@ -59,9 +59,14 @@ def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, ratio, out) -> 
                                       out=out)
 
 
+@binding.calls(("compress_c4", "compress_c128"), "prefill")
+def run_prefill(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status, reads_state) -> None:
+    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status, reads_state)
+
+
 RING = compressor.Kind(
     check=check_ratio, kernel=kernel, rows_per_page=lambda ratio: ratio, width=row_width,
-    row_dtype=lambda input_dtype: input_dtype, widths=ring_widths, reference=_reference)
+    row_dtype=lambda input_dtype: input_dtype, widths=ring_widths, reference=_reference, run_prefill=run_prefill)
 
 _FAST = runtime.call_cache()
 
@@ -76,7 +81,7 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     bf16, updated in place; last_dim = 4·head_dim (c4) or 2·head_dim (c128).
     kv_score_input: ``[tokens, last_dim]`` (prefill: ragged; decode: one row per request).
     ape: ``[8, head_dim]`` (c4, rearranged) or ``[128, head_dim]``; converted to the input dtype.
-    Returns ``[plan[1].shape[0], head_dim]`` (input dtype unless `out` is given): prefill row i pairs
+    Returns ``[plan.plan_rows.shape[0], head_dim]`` (input dtype unless `out` is given): prefill row i pairs
     with plan_c row i (invalid rows untouched); decode rows off a compress boundary are zero.
 
     With ``is_online=True`` the online c128 compressor runs instead (ops/online.py): state
@@ -84,12 +89,19 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     """
     if type(head_dim) is int and type(compress_ratio) is int and not library.tracing():
         try:
-            launch = _FAST[(plan.__class__, head_dim, compress_ratio, is_online, kv_score_buffer.dtype,
-                            kv_score_input.dtype, ape.dtype, kv_score_input.device, out is None or out.dtype)]
+            launch = _FAST[_fast_key(plan, head_dim, compress_ratio, is_online, kv_score_buffer, kv_score_input, ape,
+                                     out)]
             return launch(kv_score_buffer, kv_score_input, ape, plan, out)
         except (KeyError, AttributeError, TypeError, ValueError):
             pass  # a new signature, or an error the full path explains
     return _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out, is_online)
+
+
+def _fast_key(plan, head_dim: int, compress_ratio: int, is_online: bool, buffer: torch.Tensor, inputs: torch.Tensor,
+              ape: torch.Tensor, out: Optional[torch.Tensor]) -> tuple:
+    """What picks a call's launcher."""
+    return (plan.__class__, head_dim, compress_ratio, is_online, buffer.dtype, inputs.dtype, ape.dtype, inputs.device,
+            out is None or out.dtype)
 
 
 def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, out, is_online):
@@ -107,13 +119,13 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(_OP, ape, row_dtype)
         # on the input's device, so that a device mix is the caller's; `out` stays what the caller passed
-        rows = torch.empty((plan[1].shape[0], head_dim), dtype=row_dtype,
+        rows = torch.empty((plan.plan_rows.shape[0], head_dim), dtype=row_dtype,
                            device=kv_score_input.device) if out is None else out
-        args = (kv_score_buffer, kv_score_input, kernel_ape, plan[1], common.write_rows(plan), rows, head_dim)
+        args = (kv_score_buffer, kv_score_input, kernel_ape, plan.plan_rows, plan.write_rows, rows, head_dim)
         if is_online:
-            online.online_op(*args)
+            online.online_op(*args, plan.is_decode)
         else:
-            compress_op(*args, compress_ratio, plan.is_decode, common.reads_state(plan))
+            compress_op(*args, compress_ratio, plan.is_decode, plan.reads_state)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(_OP, e, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",),
                             lambda text: kind.widths(_OP, text, head_dim, compress_ratio, kv_score_buffer,
@@ -126,14 +138,12 @@ def _remember(kind, plan, head_dim, compress_ratio, is_online, buffer, inputs, a
     """After a successful unchecked eager call on CUDA tensors: the fast path's launcher of its signature."""
     if library.tracing() or not inputs.is_cuda or runtime.checks_enabled():
         return
-    key = (plan.__class__, head_dim, compress_ratio, is_online, buffer.dtype, inputs.dtype, ape.dtype, inputs.device,
-           given_out is None or given_out.dtype)
     name, params = kind.choice(_OP, compress_ratio, head_dim, buffer, inputs, out)
     fn = runtime.function(name, "decode" if plan.is_decode else "prefill", inputs.device, **params)
     row_dtype = kind.row_dtype(inputs.dtype)
-    _FAST[key] = compressor.launcher(fn, compress_ratio, head_dim, plan.is_decode,
-                                     None if ape.dtype == row_dtype else row_dtype,
-                                     None if inputs.dtype == row_dtype else row_dtype, kind is RING)
+    _FAST[_fast_key(plan, head_dim, compress_ratio, is_online, buffer, inputs, ape, given_out)] = compressor.launcher(
+        fn, kind, compress_ratio, head_dim, plan.is_decode, None if ape.dtype == row_dtype else row_dtype,
+        None if inputs.dtype == row_dtype else row_dtype)
 
 
 @library.custom_op("compress", mutates_args=("kv_score_buffer", "out"))
@@ -143,4 +153,4 @@ def compress_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape
     """compress_forward on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w: None in decode;
     reads_state: the prefill plan's, True in decode)."""
     compressor.run(RING, _OP, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, head_dim, compress_ratio,
-                   reads_state)
+                   is_decode, reads_state)

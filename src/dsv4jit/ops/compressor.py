@@ -19,7 +19,7 @@ import torch
 from .. import runtime
 from ..arguments import STATE_DTYPES
 from ..family import KernelChoice
-from . import common
+from . import binding, common
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class Kind:
     `row_dtype(input dtype)` is the dtype of ape as the kernels read it and of the pooled rows;
     `widths(op, message, head_dim, ratio, buffer, input, ape)` explains a failed call whose rows do
     not have head_dim's width; `reference(buffer, input, ape, plan_rows, plan_w, head_dim, ratio, out)`
-    runs the CPU path."""
+    runs the CPU path; `run_prefill(fn, buffer, input, ape, plan_rows, plan_w, out, status,
+    reads_state)` is the call of the kind's prefill export (binding.calls)."""
 
     check: Callable[..., None]
     kernel: Callable[..., KernelChoice]
@@ -39,6 +40,7 @@ class Kind:
     row_dtype: Callable[[torch.dtype], torch.dtype]
     widths: Callable[..., None]
     reference: Callable[..., None]
+    run_prefill: Callable[..., None]
 
     def choice(self, op: str, compress_ratio: int, head_dim: int, state: torch.Tensor, kv_score_input: torch.Tensor,
                out: torch.Tensor) -> KernelChoice:
@@ -49,9 +51,9 @@ class Kind:
 
 def run(kind: Kind, op: str, kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
         plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], out: torch.Tensor, head_dim: int,
-        compress_ratio: int, reads_state: Optional[bool] = None) -> None:
-    """compress_forward of `kind` on unpacked plan tensors (plan_w None: decode). `reads_state`: the
-    plan's, for a kind whose prefill export takes it (the ring compressors), else None."""
+        compress_ratio: int, is_decode: bool, reads_state: bool = True) -> None:
+    """compress_forward of `kind` on unpacked plan tensors (plan_w: None in decode; reads_state: a
+    prefill plan's, which the ring compressors' prefill takes)."""
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, out, plan_rows, plan_w)
     if device is None:
         buffer = common.state_pool(kv_score_buffer, kind.rows_per_page(compress_ratio),
@@ -59,40 +61,40 @@ def run(kind: Kind, op: str, kv_score_buffer: torch.Tensor, kv_score_input: torc
         kind.reference(buffer, kv_score_input, ape, plan_rows, plan_w, head_dim, compress_ratio, out)
         return
     name, params = kind.choice(op, compress_ratio, head_dim, kv_score_buffer, kv_score_input, out)
-    fn = runtime.function(name, "decode" if plan_w is None else "prefill", device, **params)
+    fn = runtime.function(name, "decode" if is_decode else "prefill", device, **params)
     status = runtime.status_word(device)
-    if plan_w is None:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
-    elif reads_state is None:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
+    if is_decode:
+        run_decode(fn, kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
     else:
-        fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status, reads_state)
+        kind.run_prefill(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status, reads_state)
     runtime.raise_status(status, op, name, device, params)
 
 
-def launcher(fn, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Optional[torch.dtype],
-             out_dtype: Optional[torch.dtype], takes_reads_state: bool) -> Callable:
+@binding.calls(("compress_c4", "compress_c128", "compress_online"), "decode")
+def run_decode(fn, kv_score_buffer, kv_score_input, ape, plan_rows, out, status) -> None:
+    fn(kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
+
+
+def launcher(fn, kind: Kind, compress_ratio: int, head_dim: int, decode: bool, ape_dtype: Optional[torch.dtype],
+             out_dtype: Optional[torch.dtype]) -> Callable:
     """The eager fast path's call of a resolved signature: `fn` the kernel export, `ape_dtype` the dtype
     ape is converted to (None: passed as it is), `out_dtype` that of an allocated output (None: the
-    input's, allocated by new_empty, which parses no keywords), `takes_reads_state` whether a prefill
-    export takes the plan's reads_state. It raises (before any launch) what the full path then
-    explains."""
+    input's, allocated by new_empty, which parses no keywords). It raises (before any launch) what the
+    full path then explains."""
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, out):
         if plan.compress_ratio != compress_ratio:
             raise ValueError("plan of another compress ratio")
         if ape_dtype is not None:
             ape = ape.to(ape_dtype)
-        rows = plan.plan_d if decode else plan.plan_c
+        rows = plan.plan_rows
         if out is None:
             out = (kv_score_input.new_empty((rows.shape[0], head_dim)) if out_dtype is None else
                    torch.empty((rows.shape[0], head_dim), dtype=out_dtype, device=kv_score_input.device))
         if decode:
-            fn(kv_score_buffer, kv_score_input, ape, rows, out, None)
-        elif takes_reads_state:
-            fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, out, None, plan.reads_state)
+            run_decode(fn, kv_score_buffer, kv_score_input, ape, rows, out, None)
         else:
-            fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, out, None)
+            kind.run_prefill(fn, kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, out, None, plan.reads_state)
         return out
 
     return launch

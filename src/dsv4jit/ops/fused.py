@@ -21,7 +21,7 @@ from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..geometry import V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
-from . import common
+from . import binding, common
 from .compress import RING, compress_op
 from .online import KIND as ONLINE
 from .online import RATIO as ONLINE_RATIO
@@ -144,15 +144,22 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     if (type(head_dim) is int and type(compress_ratio) is int and type(page_size) is int
             and type(norm_eps) is float and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
-            launch = _FAST[(plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online,
-                            kv_score_buffer.dtype, kv_score_input.dtype, ape.dtype, norm_weight.dtype,
-                            kv_score_input.device)]
+            launch = _FAST[_fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer,
+                                     kv_score_input, ape, norm_weight)]
             return launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc,
                           kvcache, page_size)
         except (KeyError, AttributeError, TypeError, ValueError):
             pass  # a new signature, or an error the full path explains
     return _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, norm_weight,
                                norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online)
+
+
+def _fast_key(plan, head_dim: int, compress_ratio: int, use_fp4: bool, bf16_store: bool, is_online: bool,
+              buffer: torch.Tensor, inputs: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor) -> tuple:
+    """What picks a call's launcher (freq_cis takes no part: the kernels read either form of the table
+    and check its dtype)."""
+    return (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, buffer.dtype, inputs.dtype,
+            ape.dtype, norm_weight.dtype, inputs.device)
 
 
 def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, norm_weight, norm_eps,
@@ -180,24 +187,23 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(op, ape, row_dtype)
         weight = norm_weight if norm_weight.dtype == row_dtype else norm_weight.to(row_dtype)
-        args = (kv_score_buffer, kv_score_input, kernel_ape, plan[1], common.write_rows(plan), weight,
+        args = (kv_score_buffer, kv_score_input, kernel_ape, plan.plan_rows, plan.write_rows, weight,
                 common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size)
         if is_online:
-            fused_online_op(*args, eps, common.num_q_tokens(plan))
+            fused_online_op(*args, eps, plan.kernel_num_q_tokens, plan.is_decode)
         else:
-            one_kernel = runs_fused(compress_ratio, is_online, plan.is_decode, plan[1].shape[0])
-            counts = (plan_row_counts(plan[1]) if block_units(compress_ratio, is_online) and one_kernel
+            one_kernel = runs_fused(compress_ratio, is_online, plan.is_decode, plan.plan_rows.shape[0])
+            counts = (plan_row_counts(plan.plan_rows) if block_units(compress_ratio, is_online) and one_kernel
                       and kv_score_input.is_cuda else None)
-            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan),
-                     common.reads_state(plan), counts)
+            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens, plan.reads_state,
+                     counts)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
             common.check_freq(op, freq_cis)))
     if not library.tracing() and kv_score_input.is_cuda and not runtime.checks_enabled():
-        # freq_cis takes no part: the kernels read either form of the table and check its dtype
-        key = (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer.dtype,
-               kv_score_input.dtype, ape.dtype, norm_weight.dtype, kv_score_input.device)
+        key = _fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer,
+                        kv_score_input, ape, norm_weight)
         name, params = _choice(is_online, compress_ratio, fmt, kv_score_buffer, kv_score_input)
         fn = runtime.function(name, "run", kv_score_input.device, **params)
         _FAST[key] = _launcher(fn, compress_ratio, head_dim, plan.is_decode, is_online,
@@ -231,23 +237,27 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
             ape = ape.to(ape_dtype)
         if weight_dtype is not None:
             norm_weight = norm_weight.to(weight_dtype)
-        rows = plan.plan_d if decode else plan.plan_c
-        if always is False or (always is None and not one_kernel(rows.shape[0])):
+        rows = plan.plan_rows
+        one = always if always is not None else one_kernel(rows.shape[0])
+        if not one:
             buffer = torch.empty((rows.shape[0], head_dim), dtype=row_dtype, device=kv_score_input.device)
             counts = None
         elif blocks:
             buffer, counts = row_scratch(rows, head_dim, row_dtype)
         else:
             buffer = counts = None
-        if decode:
-            fn(kv_score_buffer, kv_score_input, ape, rows, None, buffer, counts, norm_weight, freq_cis, out_loc,
-               kvcache, None, page_size, norm_eps, -1, True)
-        else:
-            fn(kv_score_buffer, kv_score_input, ape, rows, plan.plan_w, buffer, counts, norm_weight, freq_cis,
-               out_loc, kvcache, None, page_size, norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens,
-               plan.reads_state)
+        run_fused(fn, kv_score_buffer, kv_score_input, ape, rows, plan.write_rows, norm_weight, freq_cis, out_loc,
+                  kvcache, None, page_size, norm_eps, plan.kernel_num_q_tokens, decode, plan.reads_state, one, buffer,
+                  counts)
 
     return launch
+
+
+@binding.calls(("fused", "fused_online"), "run")
+def run_fused(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
+              page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts) -> None:
+    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status, page_size,
+       norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts)
 
 
 @library.custom_op("compress_and_store", mutates_args=("kv_score_buffer", "kvcache"))
@@ -260,23 +270,23 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     reads_state: the prefill plan's, True in decode). Ring c128 on CUDA: row_counts from
     plan_row_counts() (zero again after the call)."""
     _run(RING, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, reads_state, row_counts)
+         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode, reads_state, row_counts)
 
 
 @library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache"))
 def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                     plan_rows: torch.Tensor, plan_w: torch.Tensor | None, norm_weight: torch.Tensor,
                     freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str,
-                    page_size: int, norm_eps: float, num_q_tokens: int) -> None:
+                    page_size: int, norm_eps: float, num_q_tokens: int, is_decode: bool) -> None:
     """compress_and_store(is_online=True) on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
     _run(ONLINE, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens, True)
+         store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens, is_decode, True)
 
 
 def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, reads_state,
+         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode, reads_state,
          row_counts=None) -> None:
-    is_decode, is_online = plan_w is None, kind is ONLINE
+    is_online = kind is ONLINE
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
                                 kvcache)
     if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
@@ -284,7 +294,7 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
         check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, compress_ratio,
                     is_decode, num_q_tokens)
         if is_online:
-            online_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim)
+            online_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, is_decode)
         else:
             compress_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
                              is_decode, reads_state)
@@ -296,11 +306,11 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     status = runtime.status_word(device, words=2)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
-    # the two steps' rows, or the ring c128 kernel's scratch
+    # the two steps' rows, or the ring c128 kernel's scratch beside row_counts
     one_kernel = runs_fused(compress_ratio, is_online, is_decode, plan_rows.shape[0])
-    rows = None if one_kernel and not block_units(compress_ratio, is_online) else torch.empty(
+    blocks = one_kernel and block_units(compress_ratio, is_online)
+    rows = None if one_kernel and not blocks else torch.empty(
         (plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype), device=device)
-    row_counts = row_counts if one_kernel else None
-    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, row_counts, norm_weight, freq, out_loc, kvcache,
-       status, page_size, norm_eps, num_q_tokens, reads_state)
+    run_fused(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
+              page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts if blocks else None)
     runtime.raise_status(status, _OP, name, device, params, DESCRIBE)

@@ -17,7 +17,7 @@ from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..geometry import INDEXER_HEAD_DIM, V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
-from . import common
+from . import binding, common
 from .fused import DESCRIBE, fused_op
 from .store import checked_locations
 
@@ -61,8 +61,7 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
     if (type(page_size) is int and type(indexer_page_size) is int and type(norm_eps) is float
             and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
-            launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv_score_buffer.dtype, kv_score_input.dtype,
-                            kv_score_input.device)]
+            launch = _FAST[_fast_key(plan, use_fp4, bf16_store, kv_score_buffer, kv_score_input)]
             return launch(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size,
                           indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight,
                           indexer_out_loc, indexer_kvcache, indexer_page_size, plan, freq_cis, norm_eps)
@@ -75,6 +74,11 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
         indexer_norm_weight=indexer_norm_weight, indexer_out_loc=indexer_out_loc, indexer_kvcache=indexer_kvcache,
         indexer_page_size=indexer_page_size, plan=plan, freq_cis=freq_cis, norm_eps=norm_eps, use_fp4=use_fp4,
         bf16_store=bf16_store))
+
+
+def _fast_key(plan, use_fp4: bool, bf16_store: bool, buffer: torch.Tensor, inputs: torch.Tensor) -> tuple:
+    """What picks a call's launcher (the launcher converts ape and the weights, the kernel checks freq_cis)."""
+    return plan.__class__, use_fp4, bf16_store, buffer.dtype, inputs.dtype, inputs.device
 
 
 def _layer(given: dict) -> None:
@@ -99,17 +103,15 @@ def _layer(given: dict) -> None:
             t[name] = t[name].to(dtype)
     try:
         layer_op(*(t[name] for name in _CORE), g["page_size"], *(t[name] for name in _INDEXER),
-                 g["indexer_page_size"], plan[1], common.write_rows(plan), common.freq_table(g["freq_cis"]), eps,
-                 common.num_q_tokens(plan), common.reads_state(plan), core_format, indexer_format)
+                 g["indexer_page_size"], plan.plan_rows, plan.write_rows, common.freq_table(g["freq_cis"]), eps,
+                 plan.kernel_num_q_tokens, plan.is_decode, plan.reads_state, core_format, indexer_format)
     except (ValueError, TypeError, AttributeError) as e:
         common.check_freq(op, g["freq_cis"])
         # an indexer argument that defaulted to the core's is reported under the name the caller gave
         same = {name for name in ("out_loc", "page_size") if g["indexer_" + name] is g[name]}
         raise _reworded(e, same) from None
     if not library.tracing() and g["kv_score_input"].is_cuda and not runtime.checks_enabled():
-        # what picks the kernel; the launcher converts ape and the weights, the kernel checks freq_cis
-        key = (plan.__class__, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"].dtype, dtype,
-               g["kv_score_input"].device)
+        key = _fast_key(plan, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"], g["kv_score_input"])
         name, params = _choice(core_format, indexer_format, g["kv_score_buffer"], g["kv_score_input"])
         _FAST[key] = _launcher(runtime.function(name, "run", g["kv_score_input"].device, **params), dtype)
 
@@ -141,7 +143,8 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
              indexer_kv_score_buffer: torch.Tensor, indexer_kv_score_input: torch.Tensor, indexer_ape: torch.Tensor,
              indexer_norm_weight: torch.Tensor, indexer_out_loc: torch.Tensor, indexer_kvcache: torch.Tensor,
              indexer_page_size: int, plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], freq: torch.Tensor,
-             norm_eps: float, num_q_tokens: int, reads_state: bool, core_format: str, indexer_format: str) -> None:
+             norm_eps: float, num_q_tokens: int, is_decode: bool, reads_state: bool, core_format: str,
+             indexer_format: str) -> None:
     """compress_and_store_c4_layer on unpacked plan tensors (plan_w: None in decode; freq: the real table;
     reads_state: the prefill plan's, True in decode)."""
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache,
@@ -156,7 +159,7 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
         for step, hd, fmt, state, inputs, step_ape, weight, locs, cache, page in steps:
             try:
                 fused_op.impl(state, inputs, step_ape, plan_rows, plan_w, weight, freq, locs, cache, fmt, page, hd,
-                              RATIO, plan_w is None, norm_eps, num_q_tokens, reads_state)
+                              RATIO, is_decode, norm_eps, num_q_tokens, reads_state)
             except (ValueError, TypeError) as e:
                 raise arguments.reworded(step, e, (*_CORE, "freq_cis", "page_size"), _PLAN_FIELDS) from None
         indexer_kv_score_buffer.copy_(staged_state)
@@ -167,13 +170,13 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     if status is not None:
         for step, locs in ((f"{_OP}[core]", out_loc), (f"{_OP}[indexer]", indexer_out_loc)):
             try:
-                checked_locations(plan_rows, locs, RATIO, plan_w is None)
+                checked_locations(plan_rows, locs, RATIO, is_decode)
             except ValueError as e:
                 raise arguments.reworded(step, e, ("out_loc",)) from None
-    _launcher(runtime.function(name, "run", device, **params), kv_score_input.dtype)(
-        kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size, indexer_kv_score_buffer,
-        indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size,
-        (RATIO, plan_rows, plan_w, num_q_tokens, reads_state), freq, norm_eps, status)
+    run_layer(runtime.function(name, "run", device, **params), kv_score_buffer, kv_score_input, ape, norm_weight,
+              out_loc, kvcache, page_size, indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape,
+              indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size, plan_rows, plan_w, freq,
+              norm_eps, num_q_tokens, status, is_decode, reads_state)
     if status is not None and any(status.tolist()):
         describe = [runtime.function(name, DESCRIBE[i % 2], device, **params) for i in range(4)]
         texts = [f"{'core' if i < 2 else 'indexer'}: {describe[i](w)}" for i, w in enumerate(status.tolist()) if w]
@@ -181,20 +184,12 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
 
 
 def _launcher(fn, row_dtype: torch.dtype):
-    """A call of the layer kernel; `plan` a plan object, or (ratio, plan_rows, plan_w, num_q_tokens,
-    reads_state) unpacked. ape and the norm weights are converted to the rows' dtype where they differ."""
+    """The fast path's call of a resolved signature: ape and the norm weights converted to the rows'
+    dtype where they differ; it raises, before any launch, what the full path then explains."""
 
     def launch(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight,
-               i_out_loc, i_kvcache, i_page_size, plan, freq_cis, norm_eps, status=None):
-        if plan.__class__ is tuple:
-            ratio, rows, plan_w, num_q, reads_state = plan
-        else:
-            decode = plan.__class__ is CompressorDecodePlan
-            ratio, rows = plan.compress_ratio, plan.plan_d if decode else plan.plan_c
-            plan_w = None if decode else plan.plan_w
-            num_q = -1 if plan_w is None or plan.num_q_tokens is None else plan.num_q_tokens
-            reads_state = decode or plan.reads_state
-        if ratio != RATIO:
+               i_out_loc, i_kvcache, i_page_size, plan, freq_cis, norm_eps):
+        if plan.compress_ratio != RATIO:
             raise ValueError("not a c4 plan")
         if ape.dtype != row_dtype:
             ape = _as_rows(ape, row_dtype)
@@ -204,10 +199,21 @@ def _launcher(fn, row_dtype: torch.dtype):
             weight = _as_rows(weight, row_dtype)
         if i_weight.dtype != row_dtype:
             i_weight = _as_rows(i_weight, row_dtype)
-        fn(buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight, i_out_loc,
-           i_kvcache, i_page_size, rows, plan_w, freq_cis, norm_eps, num_q, status, reads_state)
+        run_layer(fn, buffer, inputs, ape, weight, out_loc, kvcache, page_size, i_buffer, i_inputs, i_ape, i_weight,
+                  i_out_loc, i_kvcache, i_page_size, plan.plan_rows, plan.write_rows, freq_cis, norm_eps,
+                  plan.kernel_num_q_tokens, None, plan.is_decode, plan.reads_state)
 
     return launch
+
+
+@binding.calls(("fused_c4_layer",), "run")
+def run_layer(fn, kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size,
+              indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc,
+              indexer_kvcache, indexer_page_size, plan_rows, plan_w, freq, norm_eps, num_q_tokens, status, is_decode,
+              reads_state) -> None:
+    fn(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size, indexer_kv_score_buffer,
+       indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size,
+       plan_rows, plan_w, freq, norm_eps, num_q_tokens, status, is_decode, reads_state)
 
 
 def _as_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..geometry import CHUNK, online_input_width, online_state_width
 from ..jit.kernels import COMPRESS_ONLINE
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan
 from ..reference import online as ref_online
-from . import common, compressor
+from . import binding, common, compressor
 
 _OP = "compress_forward"
 RATIO = CHUNK  # one compressed row per 128-token chunk: the online compressor is c128
@@ -74,15 +74,22 @@ def _reference(buffer, inputs, ape, plan_rows, plan_w, head_dim, compress_ratio,
         ref_online.online_prefill(buffer, inputs, ape, plan_rows, plan_w, head_dim=head_dim, out=out)
 
 
+@binding.calls(("compress_online",), "prefill", unbound=("reads_state",))
+def run_prefill(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status, reads_state) -> None:
+    """An online prefill folds each segment into its request's state row: reads_state is not the kernel's."""
+    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, status)
+
+
 KIND = compressor.Kind(
     check=check_online, kernel=_kernel, rows_per_page=lambda ratio: 1,
     width=lambda head_dim, ratio: online_state_width(head_dim), row_dtype=lambda input_dtype: torch.float32,
-    widths=online_widths, reference=_reference)
+    widths=online_widths, reference=_reference, run_prefill=run_prefill)
 
 
 @library.custom_op("compress_online", mutates_args=("kv_score_buffer", "out"))
 def online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
-              plan_rows: torch.Tensor, plan_w: torch.Tensor | None, out: torch.Tensor, head_dim: int) -> None:
+              plan_rows: torch.Tensor, plan_w: torch.Tensor | None, out: torch.Tensor, head_dim: int,
+              is_decode: bool) -> None:
     """compress_forward(is_online=True) on unpacked plan tensors (plan_rows: plan_c or plan_d; plan_w:
     None in decode)."""
-    compressor.run(KIND, _OP, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, head_dim, RATIO)
+    compressor.run(KIND, _OP, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, out, head_dim, RATIO, is_decode)

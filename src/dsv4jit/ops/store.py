@@ -14,7 +14,7 @@ from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from ..reference import store as ref_store
-from . import common
+from . import binding, common
 
 _OP = "compress_norm_rope_store"
 
@@ -36,7 +36,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
                              kvcache_rope: Optional[torch.Tensor] = None) -> None:
     """RMSNorm, RoPE at position seq_len − R (+ Hadamard for the indexer), quantize, store at out_loc.
 
-    kv: compressed rows ``[plan[1].shape[0], head_dim]`` (fp32 or bf16), as compress_forward returns.
+    kv: compressed rows ``[plan.plan_rows.shape[0], head_dim]`` (fp32 or bf16), as compress_forward returns.
     Prefill processes the valid plan rows and stores at ``out_loc[ragged_id]`` (out_loc covers every
     token of the step); decode processes the rows at a compress boundary and stores at ``out_loc[b]``.
     kvcache: ``[num_pages, page_bytes]`` uint8 view of the paged cache; formats by head_dim and flags:
@@ -45,12 +45,18 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     if (type(page_size) is int and type(norm_eps) is float and 0.0 < norm_eps < math.inf and layout == "v4"
             and fp8_2buff is False and kvcache_rope is None and not library.tracing()):
         try:
-            launch = _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device)]
+            launch = _FAST[_fast_key(plan, use_fp4, bf16_store, kv, norm_weight)]
             return launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size)
         except (KeyError, AttributeError, TypeError, ValueError, IndexError):
             pass  # a new signature, or an error the full path explains
     return _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4,
                                      bf16_store, layout, fp8_2buff, kvcache_rope)
+
+
+def _fast_key(plan, use_fp4: bool, bf16_store: bool, kv: torch.Tensor, norm_weight: torch.Tensor) -> tuple:
+    """What picks a call's launcher (freq_cis takes no part: the kernel reads either form of the table
+    and checks its dtype)."""
+    return plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device
 
 
 def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4,
@@ -72,17 +78,15 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
         fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])")
         weight = norm_weight if norm_weight.dtype == kv.dtype else norm_weight.to(kv.dtype)
-        store_op(kv, plan[1], weight, common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
-                 plan.compress_ratio, plan.is_decode, eps, common.num_q_tokens(plan))
+        store_op(kv, plan.plan_rows, weight, common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
+                 plan.compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), (),
                             lambda text: common.check_freq(op, freq_cis))
     if not library.tracing() and kv.is_cuda and not runtime.checks_enabled():
         name, params = kernel(common.dtype_name(kv, "kv", op, STATE_DTYPES), fmt)
-        fn = runtime.function(name, "run", kv.device, **params)
-        # freq_cis takes no part: the kernel reads either form of the table and checks its dtype
-        _FAST[(plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device)] = _launcher(
-            fn, kv.dtype)
+        _FAST[_fast_key(plan, use_fp4, bf16_store, kv, norm_weight)] = _launcher(
+            runtime.function(name, "run", kv.device, **params), kv.dtype)
 
 
 def _launcher(fn, dtype: torch.dtype):
@@ -92,14 +96,17 @@ def _launcher(fn, dtype: torch.dtype):
     def launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size):
         if norm_weight.dtype != dtype:
             norm_weight = norm_weight.to(dtype)
-        if plan.__class__ is CompressorDecodePlan:
-            fn(kv, plan.plan_d, norm_weight, freq_cis, out_loc, kvcache, None, page_size, plan.compress_ratio, True,
-               norm_eps, -1)
-        else:
-            fn(kv, plan.plan_c, norm_weight, freq_cis, out_loc, kvcache, None, page_size, plan.compress_ratio, False,
-               norm_eps, -1 if plan.num_q_tokens is None else plan.num_q_tokens)
+        run_store(fn, kv, plan.plan_rows, norm_weight, freq_cis, out_loc, kvcache, None, page_size, plan.compress_ratio,
+                  plan.is_decode, norm_eps, plan.kernel_num_q_tokens)
 
     return launch
+
+
+@binding.calls(("store",), "run")
+def run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio, is_decode,
+              norm_eps, num_q_tokens) -> None:
+    fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio, is_decode, norm_eps,
+       num_q_tokens)
 
 
 @library.custom_op("norm_rope_store", mutates_args=("kvcache",))
@@ -121,8 +128,8 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     status = runtime.status_word(device)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
-    fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
-       is_decode, norm_eps, num_q_tokens)
+    run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio, is_decode,
+              norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params)
 
 

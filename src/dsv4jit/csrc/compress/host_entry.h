@@ -82,21 +82,21 @@ struct CompressorEntryBase {
     Derived::launch_write(op, dev, write_pass(p, rows_w));
   }
 
-  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_c,
+  static void prefill(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_rows,
                       TensorView plan_w, TensorView out, tvm::ffi::Optional<TensorView> status) {
     Device dev;
     Size rows_c{"plan_c_rows"}, rows_w{"plan_w_rows"};
-    auto p = prefill_params(Derived::kOp, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, &out, nullptr,
+    auto p = prefill_params(Derived::kOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, &out, nullptr,
                             rows_c, rows_w);
     p.status = status_words(Derived::kOp, dev, status);
     launch_prefill(Derived::kOp, dev, p, rows_w.value);
   }
 
-  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_d,
+  static void decode(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_rows,
                      TensorView out, tvm::ffi::Optional<TensorView> status) {
     Device dev;
     Size batch{"batch_size"};
-    auto p = decode_params(Derived::kOp, dev, kv_score_buffer, kv_score_input, ape, plan_d, &out, nullptr, batch);
+    auto p = decode_params(Derived::kOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, &out, nullptr, batch);
     p.status = status_words(Derived::kOp, dev, status);
     Derived::launch_decode(Derived::kOp, dev, p);
   }

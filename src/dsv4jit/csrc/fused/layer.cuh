@@ -38,7 +38,7 @@ __global__ __launch_bounds__(PassA::kThreads, PassA::kMinBlocks) void pair_pool_
     // pass B's pool blocks, then its write blocks (prefill_one_grid), then pass A's write blocks
     using KB = typename PassB::K;
     const uint32_t block = blockIdx.x - p.blocks_a;
-    const uint32_t b_blocks = KB::pool_blocks(p.b.c.num_rows) + KB::write_blocks(p.b.c.write_rows, KB::kWarpsPerBlock);
+    const uint32_t b_blocks = KB::one_grid_blocks(p.b.c.num_rows, p.b.c.write_rows);
     if (block < b_blocks) {
       typename PassB::Step::Sink sink{p.b.s, sh.b};
       KB::prefill_one_grid(p.b.c, block, [&](uint32_t b) { PassB::pool_block(p.b.c, sink, b); });
@@ -86,27 +86,28 @@ struct C4LayerEntry {
                   TensorView out_loc, TensorView kvcache, int64_t page_size, TensorView indexer_kv_score_buffer,
                   TensorView indexer_kv_score_input, TensorView indexer_ape, TensorView indexer_norm_weight,
                   TensorView indexer_out_loc, TensorView indexer_kvcache, int64_t indexer_page_size,
-                  TensorView plan_rows, Optional<TensorView> plan_w, TensorView freq, double eps, int64_t num_q_tokens,
-                  Optional<TensorView> status, bool reads_state) {
+                  TensorView plan_rows, Optional<TensorView> plan_w, TensorView freq, double norm_eps, int64_t num_q_tokens,
+                  Optional<TensorView> status, bool is_decode, bool reads_state) {
     Device dev;
-    if (!plan_w.has_value()) {
+    Core::check_phase(kOp, is_decode, plan_w);
+    if (is_decode) {
       auto core = Core::decode_params(kCoreOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, nullptr,
-                                      norm_weight, freq, out_loc, kvcache, page_size, eps);
+                                      norm_weight, freq, out_loc, kvcache, page_size, norm_eps);
       auto indexer = Indexer::decode_params(kIndexerOp, dev, indexer_kv_score_buffer, indexer_kv_score_input,
                                             indexer_ape, plan_rows, nullptr, indexer_norm_weight, freq,
-                                            indexer_out_loc, indexer_kvcache, indexer_page_size, eps);
+                                            indexer_out_loc, indexer_kvcache, indexer_page_size, norm_eps);
       attach(core, indexer, status_words(kOp, dev, status, 4));
       launch_pair<CoreDecode, IndexerDecode>(dev, core, indexer);
       return;
     }
     Size core_rows_w{"plan_w_rows"}, indexer_rows_w{"plan_w_rows"};
     auto core = Core::prefill_params(kCoreOp, dev, core_rows_w, kv_score_buffer, kv_score_input, ape, plan_rows,
-                                     plan_w.value(), nullptr, norm_weight, freq, out_loc, kvcache, page_size, eps,
+                                     plan_w.value(), nullptr, norm_weight, freq, out_loc, kvcache, page_size, norm_eps,
                                      num_q_tokens);
     auto indexer = Indexer::prefill_params(kIndexerOp, dev, indexer_rows_w, indexer_kv_score_buffer,
                                            indexer_kv_score_input, indexer_ape, plan_rows, plan_w.value(), nullptr,
                                            indexer_norm_weight, freq, indexer_out_loc, indexer_kvcache,
-                                           indexer_page_size, eps, num_q_tokens);
+                                           indexer_page_size, norm_eps, num_q_tokens);
     attach(core, indexer, status_words(kOp, dev, status, 4));
     if (!reads_state && !capturing(kOp, dev.dev)) {
       launch_one_grid(dev, core, indexer, core_rows_w.value, indexer_rows_w.value);
@@ -140,19 +141,19 @@ struct C4LayerEntry {
     core.c.write_rows = static_cast<uint32_t>(core_rows_w);
     indexer.c.write_rows = static_cast<uint32_t>(indexer_rows_w);
     const PairParams<P, Q> pair{core, indexer, KA::pool_blocks(core.c.num_rows)};
-    const uint32_t blocks = pair.blocks_a + KB::pool_blocks(indexer.c.num_rows) +
-                            KB::write_blocks(indexer_rows_w, KB::kWarpsPerBlock) +
-                            KA::write_blocks(core_rows_w, KA::kWarpsPerBlock);
+    // the core's pool blocks, the indexer's one grid (pool and write blocks), the core's write blocks
+    const uint32_t blocks = KA::one_grid_blocks(core.c.num_rows, core_rows_w) +
+                            KB::one_grid_blocks(indexer.c.num_rows, indexer_rows_w);
     launch(kOp, dev.dev, {blocks, CorePrefill::kThreads}, kPDL,
            pair_pool_and_store_kernel<CorePrefill, IndexerPrefill, true>, pair);
   }
 
   template <typename PassA, typename PassB, typename P, typename Q>
   static void launch_pair(const Device& dev, const P& a, const Q& b) {
-    const PairParams<P, Q> pair{PassA::lookahead(kOp, dev.dev, a), PassB::lookahead(kOp, dev.dev, b),
-                                PassA::shape(a.c.num_rows).grid.x};
-    const LaunchShape shape_b = PassB::shape(b.c.num_rows);
-    launch(kOp, dev.dev, {pair.blocks_a + shape_b.grid.x, PassA::kThreads}, kPDL,
+    const compress::DecodeLaunch grid_a = PassA::grid(kOp, dev.dev, a.c.num_rows);
+    const compress::DecodeLaunch grid_b = PassB::grid(kOp, dev.dev, b.c.num_rows);
+    const PairParams<P, Q> pair{PassA::ahead(a, grid_a), PassB::ahead(b, grid_b), grid_a.blocks};
+    launch(kOp, dev.dev, {grid_a.blocks + grid_b.blocks, PassA::kThreads}, kPDL,
            pair_pool_and_store_kernel<PassA, PassB>, pair);
   }
 };

@@ -271,15 +271,15 @@ struct NormRopeStoreEntry {
   /// or fp32 [max_pos, 64];
   /// out_loc int32/int64 (prefill: >= num_q_tokens entries, indexed by ragged id; decode: one per row);
   /// kvcache u8 [num_pages, page_bytes].
-  static void run(TensorView kv, TensorView plan, TensorView norm_weight, TensorView freq, TensorView out_loc,
+  static void run(TensorView kv, TensorView plan_rows, TensorView norm_weight, TensorView freq, TensorView out_loc,
                   TensorView kvcache, Optional<TensorView> status, int64_t page_size, int64_t compress_ratio,
-                  bool is_decode, double eps, int64_t num_q_tokens) {
+                  bool is_decode, double norm_eps, int64_t num_q_tokens) {
     const char* op = "compress_norm_rope_store";
     Size rows{"rows"};
     Device dev;
     Check(op, "kv", kv).shape({rows, L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous().aligned();
-    Params p = checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, status_words(op, dev, status), page_size,
-                       compress_ratio, is_decode, eps, num_q_tokens);
+    Params p = checked(op, rows, dev, plan_rows, norm_weight, freq, out_loc, kvcache, status_words(op, dev, status), page_size,
+                       compress_ratio, is_decode, norm_eps, num_q_tokens);
     p.kv = kv.data_ptr();
     launch_store(op, dev, p);
   }
