@@ -1,6 +1,6 @@
 """The docs against the code's own lists, so that what the code gains (a public name, an op, a
 warm-up family, a command-line option, a module, a header, a custom op) fails here until the docs
-name it, and what it loses fails here until they stop:
+name it, and a warm-up family, an option or a custom op it loses fails here until they drop it:
 
 * every public name has a signature in docs/api.md, and every public op a row of the call table of
   docs/migration.md, where no row calls a name dsv4jit has "none";
@@ -105,12 +105,15 @@ def options_in(text: str) -> set[str]:
 
 
 PARSER = cli.build_parser()
-CLI_REFERENCE = section(read("docs/jit.md"), "## 5. The CLI")
+
+
+def cli_reference() -> str:
+    return section(read("docs/jit.md"), "## 5. The CLI")
 
 
 def synopsis(command: str) -> str:
     """The lines of the synopsis blocks of `command` in docs/jit.md, section 5."""
-    blocks = [b for b in code_blocks(section(CLI_REFERENCE, f"### `{command}`"), "")
+    blocks = [b for b in code_blocks(section(cli_reference(), f"### `{command}`"), "")
               if b.startswith(f"python -m dsv4jit {command}")]
     assert blocks, f"docs/jit.md, section 5, has no synopsis block for {command!r}"
     return "\n".join(blocks)
@@ -120,23 +123,23 @@ def synopsis(command: str) -> str:
 def test_the_cli_reference_gives_every_option_of_each_command(command):
     parser, text = commands(PARSER)[command], synopsis(command)
     named = options_in(text)
-    missing, unknown_choices = [], []
+    missing, missing_choices = [], []
     for action in documented_actions(parser):
         if not action.option_strings:  # a positional: its placeholder
             placeholder = (action.metavar or action.dest).upper()
             missing += [] if placeholder in text else [placeholder]
         elif not named & set(action.option_strings):
             missing.append(action.option_strings[-1])
-        unknown_choices += [f"{action.option_strings[-1]} {c}" for c in action.choices or ()
+        missing_choices += [f"{(action.option_strings or [action.dest])[-1]} {c}" for c in action.choices or ()
                             if not re.search(rf"(?<![\w-]){re.escape(c)}(?![\w-])", text)]
     assert not missing, f"docs/jit.md's synopsis of {command!r} lacks {missing}"
-    assert not unknown_choices, f"docs/jit.md's synopsis of {command!r} lacks the choices {unknown_choices}"
+    assert not missing_choices, f"docs/jit.md's synopsis of {command!r} lacks the choices {missing_choices}"
     known = {o for a in parser._actions for o in a.option_strings}
     assert named <= known, f"docs/jit.md's synopsis of {command!r} names options it lacks: {sorted(named - known)}"
 
 
 def test_the_cli_reference_gives_the_options_before_any_command():
-    before_commands = CLI_REFERENCE.split("\n### ", 1)[0]
+    before_commands = cli_reference().split("\n### ", 1)[0]
     missing = [a.option_strings[-1] for a in documented_actions(PARSER)
                if a.option_strings and not options_in(before_commands) & set(a.option_strings)]
     assert not missing, f"docs/jit.md, section 5, does not name {missing}"
@@ -155,13 +158,10 @@ def test_the_api_reference_has_a_row_per_command_naming_only_its_options():
 # The architecture page: modules, kernel headers, custom ops
 # ---------------------------------------------------------------------------------------------
 
-OVERVIEW = read("docs/overview.md")
-LAYERS = table_rows(section(OVERVIEW, "## Layers of the package"))
-
-
 @pytest.mark.parametrize("folder", ["ops", "jit", "reference"])
 def test_the_overview_names_every_module_of_a_layer(folder):
-    files = " ".join(row[1] for row in LAYERS if f"{folder}/" in row[1])
+    layers = table_rows(section(read("docs/overview.md"), "## Layers of the package"))
+    files = " ".join(row[1] for row in layers if f"{folder}/" in row[1])
     assert files, f"no row of docs/overview.md's layer table names {folder}/"
     modules = sorted(p.name for p in (PACKAGE / folder).glob("*.py") if p.name != "__init__.py")
     missing = [m for m in modules if f"`{m}`" not in files and f"{folder}/{m}`" not in files]
@@ -170,7 +170,7 @@ def test_the_overview_names_every_module_of_a_layer(folder):
 
 def kernel_tree() -> dict[str, str]:
     """Entry of the overview's csrc/ tree (a folder such as ``fused/``, or a file) -> its text."""
-    [tree] = [b for b in code_blocks(OVERVIEW, "text") if b.startswith("csrc/\n")]
+    [tree] = [b for b in code_blocks(read("docs/overview.md"), "text") if b.startswith("csrc/\n")]
     entries: dict[str, str] = {}
     for line in tree.splitlines()[1:]:
         if not line.startswith("   "):  # a new entry; deeper indents continue the one above
@@ -187,7 +187,7 @@ def test_the_overview_kernel_tree_names_every_header():
         if parts[0] == "common":  # docs/jit.md's support-header table (test_docs.py)
             continue
         text = entries.get(parts[0] if len(parts) == 1 else parts[0] + "/", "")
-        if not re.search(rf"(?<![\w/]){re.escape(header.stem)}\b", text):
+        if not re.search(rf"(?<![\w/:.]){re.escape(header.stem)}(?:\.cuh|\.h)?(?=[,;:)\s]|$)", text, re.M):
             missing.append("/".join(parts))
     assert not missing, f"docs/overview.md's csrc/ tree does not name {missing}"
 
@@ -200,7 +200,7 @@ def registered_custom_ops() -> set[str]:
 def test_the_docs_list_every_custom_op():
     registered = registered_custom_ops()
     assert {"compress", "norm_rope_store"} <= registered
-    [listed] = re.findall(r"`torch\.ops\.dsv4jit\.\{([^}]*)\}`", OVERVIEW)
+    [listed] = re.findall(r"`torch\.ops\.dsv4jit\.\{([^}]*)\}`", read("docs/overview.md"))
     assert sorted(listed.split(", ")) == sorted(registered), "docs/overview.md's custom ops against torch.ops.dsv4jit"
     spans = set(re.findall(r"`(?:torch\.ops\.dsv4jit\.)?(\w+)`", section(read("docs/api.md"), "## torch integration")))
     assert not registered - spans, f"docs/api.md's torch integration does not name {sorted(registered - spans)}"
@@ -233,7 +233,7 @@ def test_the_readme_demo_output_is_what_the_demo_prints(host_planner):
     assert res.returncode == 0, res.stdout + res.stderr
     printed = timeless(res.stdout)
     assert printed[-1] == "every state and cache matched" and any(line.startswith("prefill ") for line in printed)
-    assert timeless(block) == printed, "README.md's demo output is not what `python -m dsv4jit demo` prints:\n" + res.stdout
+    assert timeless(block) == printed, f"README.md's demo output is not what the demo prints:\n{res.stdout}"
 
 
 def test_the_readme_variant_count_is_what_precompile_selects(jit_env, capsys):
