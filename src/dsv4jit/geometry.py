@@ -24,7 +24,6 @@ V4_NOPE_DIM = 448             # dims 0..447: e4m3; dims 448..511: bf16 rope
 V4_TILE = 64                  # one UE8M0 scale per 64 nope dims -> 7 scales
 V4_DATA_BYTES = 576           # 448 e4m3 + 64 bf16
 V4_SCALE_BYTES = 8            # 7 exponents + 1 padding byte that is never written
-V4_TOKEN_BYTES = V4_DATA_BYTES + V4_SCALE_BYTES
 BF16_TOKEN_BYTES = 2 * V4_HEAD_DIM
 
 INDEXER_HEAD_DIM = 128

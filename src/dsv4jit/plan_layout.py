@@ -128,10 +128,6 @@ def decode_online_plan(plan: torch.Tensor) -> OnlineRows:
     return OnlineRows(*decode_compress_plan(plan))  # the same words, named for what they hold
 
 
-def encode_online_plan(seq_len, ragged_id, segment_len, store_slot, load_slot) -> torch.Tensor:
-    return encode_compress_plan(seq_len, ragged_id, segment_len, store_slot, load_slot)
-
-
 def decode_write_plan(plan: torch.Tensor) -> WriteRows:
     w = _words(plan, WRITE_PLAN_BYTES)
     return WriteRows(w[:, 0] & 0xFFFFFFFF, w[:, 1])
@@ -155,10 +151,6 @@ def invalid_compress_rows(n: int) -> torch.Tensor:
     full = torch.full((n,), INVALID_U32, dtype=torch.int64)
     zero = torch.zeros(n, dtype=torch.int64)
     return encode_compress_plan(full, zero, zero, zero - 1, zero - 1)
-
-
-def invalid_online_rows(n: int) -> torch.Tensor:
-    return invalid_compress_rows(n)  # {0xFFFFFFFF, 0, 0, -1, -1} as well
 
 
 def invalid_write_rows(n: int) -> torch.Tensor:

@@ -18,14 +18,11 @@ import pytest
 
 from dsv4jit.jit import toolchain
 from helpers.jit_env import REAL_NVCC
+from helpers.markdown import code_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-
-
-def code_blocks(text: str, language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.S | re.M)
 
 
 def anchors(markdown: str) -> set[str]:
