@@ -16,8 +16,13 @@ CHUNK = 128
 #: Dims RoPE rotates: the last ROPE_DIM of each compressed row, as ROPE_DIM / 2 (cos, sin) pairs.
 ROPE_DIM = 64
 
-#: Cache formats of compress_norm_rope_store, in the kernels' enum order.
-FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4")
+#: Cache formats of compress_norm_rope_store, in the kernels' enum order (store::Format): V4's latent
+#: and indexer formats, then a DeepSeek-V4.1 layout's (contract §10: named as its KVLayout) and the V4
+#: latent in two pools (fp8_2buff).
+FORMATS = ("v4_fp8", "v4_bf16", "indexer_fp8", "indexer_fp4", "v41", "v41_fp4", "uniform_fp8", "v41_new", "v41_fp4_new",
+           "v4_fp8_2buff")
+#: The formats of a 512-dim latent row in a V4.1 layout.
+V41_FORMATS = FORMATS[4:9]
 
 V4_HEAD_DIM = 512
 V4_NOPE_DIM = 448             # dims 0..447: e4m3; dims 448..511: bf16 rope
@@ -82,7 +87,7 @@ def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = Fal
 
 def format_head_dim(fmt: str) -> int:
     """The head_dim of the rows a format stores."""
-    return V4_HEAD_DIM if fmt.startswith("v4") else INDEXER_HEAD_DIM
+    return INDEXER_HEAD_DIM if fmt.startswith("indexer") else V4_HEAD_DIM
 
 
 def _check_format(fmt: str) -> None:
@@ -90,17 +95,33 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
 
 
+#: (data bytes, scale bytes, page alignment) of a token of each format: a page holds page_size data
+#: rows, then their scale rows (the interleaved V4.1 layouts: each token's data, then its scales),
+#: padded to whole multiples of the alignment; two pools: 512-byte rows (448 e4m3 codes, the 7
+#: exponents twice, 50 bytes unwritten) beside a pool of 128-byte bf16 rope rows.
+_TOKEN_LAYOUT = {
+    "v4_fp8": (V4_DATA_BYTES, V4_SCALE_BYTES, V4_DATA_BYTES), "v4_bf16": (BF16_TOKEN_BYTES, 0, BF16_TOKEN_BYTES),
+    "indexer_fp8": (INDEXER_FP8_DATA_BYTES, INDEXER_FP8_SCALE_BYTES, INDEXER_FP8_DATA_BYTES + INDEXER_FP8_SCALE_BYTES),
+    "indexer_fp4": (INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES, INDEXER_FP4_DATA_BYTES + INDEXER_FP4_SCALE_BYTES),
+    "v41": (512, 16, 512), "v41_fp4": (256, 32, 256), "uniform_fp8": (512, 0, 512), "v41_new": (512, 16, 528),
+    "v41_fp4_new": (256, 32, 288), "v4_fp8_2buff": (512, 0, 512),
+}
+#: Bytes of a two-pool format's rope row: the 64 rope dims as bf16.
+ROPE_ROW_BYTES = 2 * ROPE_DIM
+
+
 def token_bytes(fmt: str) -> tuple[int, int]:
     """(data bytes, scale bytes) one token occupies in a page of format `fmt`."""
     _check_format(fmt)
-    return {"v4_fp8": (V4_DATA_BYTES, V4_SCALE_BYTES), "v4_bf16": (BF16_TOKEN_BYTES, 0),
-            "indexer_fp8": (INDEXER_FP8_DATA_BYTES, INDEXER_FP8_SCALE_BYTES),
-            "indexer_fp4": (INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES)}[fmt]
+    return _TOKEN_LAYOUT[fmt][:2]
 
 
 def written_bytes(fmt: str) -> int:
-    """Cache bytes the store writes per stored token (the V4 scale row's padding byte is never written)."""
+    """Cache bytes the store writes per stored token (the V4 scale row's padding byte is never written;
+    two pools: 462 bytes of the row and the rope row)."""
     data, scales = token_bytes(fmt)
+    if fmt == "v4_fp8_2buff":
+        return V4_NOPE_DIM + 2 * (V4_NOPE_DIM // V4_TILE) + ROPE_ROW_BYTES
     return data + (V4_NOPE_DIM // V4_TILE if fmt == "v4_fp8" else scales)
 
 
@@ -110,9 +131,9 @@ def check_page_size(page_size: int) -> None:
 
 
 def page_bytes(fmt: str, page_size: int) -> int:
-    """Bytes of one cache page (= row stride of the 2-D cache view) for a store format: the data
-    rows of its tokens, then their scale rows; V4 fp8 pages are padded to whole 576-byte rows."""
+    """Bytes of one cache page (= row stride of the 2-D cache view) for a store format: its tokens'
+    bytes, padded to whole multiples of the format's alignment (V4 fp8 pages to 576-byte rows)."""
     check_page_size(page_size)
     data, scales = token_bytes(fmt)
-    raw = (data + scales) * page_size
-    return -(-raw // V4_DATA_BYTES) * V4_DATA_BYTES if fmt == "v4_fp8" else raw
+    align = _TOKEN_LAYOUT[fmt][2]
+    return -(-(data + scales) * page_size // align) * align

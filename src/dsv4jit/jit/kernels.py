@@ -69,16 +69,25 @@ COMPRESS_C4 = _compress(4, (128, 256, 512), (512, 128))
 COMPRESS_C128 = _compress(128, (64, 128, 256, 512), (512,))
 
 STORE_FORMATS = FORMATS  # in the order of dsv4::store::Format
-_FORMAT_CPP = tuple(f"dsv4::store::Format::k{n}" for n in ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4"))
+_FORMAT_CPP = tuple(f"dsv4::store::Format::k{n}" for n in ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4", "V41",
+                                                            "V41Fp4", "UniformFp8", "V41New", "V41Fp4New", "V4TwoPool"))
 STORE_FORMAT = Param("format", "enum", STORE_FORMATS, _FORMAT_CPP)
-V4_FORMAT = Param("format", "enum", STORE_FORMATS[:2], _FORMAT_CPP[:2])  # the latent formats (head_dim 512)
+#: The formats a pool pass's store step writes: all but the two pools (a rope pool is the store op's only).
+_POOLED = tuple(f for f in STORE_FORMATS if f != "v4_fp8_2buff")
+POOLED_FORMAT = Param("format", "enum", _POOLED, tuple(_FORMAT_CPP[STORE_FORMATS.index(f)] for f in _POOLED))
+#: The latent formats (head_dim 512) a pool pass writes: V4's and the V4.1 layouts.
+_LATENT = tuple(f for f in _POOLED if not f.startswith("indexer"))
+LATENT_FORMAT = Param("format", "enum", _LATENT, tuple(_FORMAT_CPP[STORE_FORMATS.index(f)] for f in _LATENT))
+#: What a DeepSeek-V4.1 serving step stores a compressed c4 / c128 row as by default: the fp8 encoding
+#: beside a V4.1 main cache, block-split or interleaved (contract §10).
+V41_SERVING_FORMATS = ("v41",)
 STORE = KernelSpec(
     name="store",
     header="store/store.cuh",
     params=(Param("dtype", "dtype", ("fp32", "bf16")), STORE_FORMAT, PDL),
     exports={"run": "dsv4::store::NormRopeStoreEntry<{dtype}, {format}, {pdl}>::run",
              "describe_status": "dsv4::store::describe_status"},
-    serving=tuple({"dtype": "fp32", "format": f} for f in STORE_FORMATS),
+    serving=tuple({"dtype": "fp32", "format": f} for f in (*STORE_FORMATS[:4], *V41_SERVING_FORMATS)),
     doc="RMSNorm + RoPE (+ Hadamard) + quantize + paged store of compressed rows",
 )
 
@@ -96,13 +105,14 @@ _FUSED_ENTRY = "dsv4::fused::CompressAndStoreEntry<{ratio}, {state}, {input}, {f
 FUSED = KernelSpec(
     name="fused",
     header="fused/fused.cuh",
-    params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
+    params=(Param("ratio", "int", (4, 128)), POOLED_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", ("fp32", "bf16")), PDL),
     exports={"run": _FUSED_ENTRY + "::run",
              "describe_compress_status": "dsv4::compress::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
     serving=tuple({"ratio": r, "format": f, "state": "fp32", "input": "fp32"}
-                  for r, f in ((4, "v4_fp8"), (4, "indexer_fp4"), (4, "indexer_fp8"), (128, "v4_fp8"))),
+                  for r, f in ((4, "v4_fp8"), (4, "indexer_fp4"), (4, "indexer_fp8"), (128, "v4_fp8"),
+                               *((r, f) for f in V41_SERVING_FORMATS for r in (4, 128)))),
     doc="compress + RMSNorm + RoPE (+ Hadamard) + quantize + paged store in one kernel (head_dim from the format)",
     reject=lambda v: ("ratio 128 stores V4 rows (head_dim 512) only, not the indexer formats"
                       if v["ratio"] == 128 and v["format"].startswith("indexer") else None),
@@ -112,14 +122,14 @@ _C4_LAYER_ENTRY = "dsv4::fused::C4LayerEntry<{state}, {input}, {core_format}, {i
 C4_LAYER = KernelSpec(
     name="fused_c4_layer",
     header="fused/layer.cuh",
-    params=(Param("core_format", "enum", STORE_FORMATS[:2], _FORMAT_CPP[:2]),
-            Param("indexer_format", "enum", STORE_FORMATS[2:], _FORMAT_CPP[2:]),
+    params=(Param("core_format", "enum", LATENT_FORMAT.choices, LATENT_FORMAT.cpp_names),
+            Param("indexer_format", "enum", STORE_FORMATS[2:4], _FORMAT_CPP[2:4]),
             Param("state", "dtype", ("fp32", "bf16")), Param("input", "dtype", ("fp32", "bf16")), PDL),
     exports={"run": _C4_LAYER_ENTRY + "::run",
              "describe_compress_status": "dsv4::compress::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},
-    serving=tuple({"core_format": "v4_fp8", "indexer_format": f, "state": "fp32", "input": "fp32", "pdl": True}
-                  for f in ("indexer_fp4", "indexer_fp8")),
+    serving=tuple({"core_format": c, "indexer_format": f, "state": "fp32", "input": "fp32", "pdl": True}
+                  for c in ("v4_fp8", *V41_SERVING_FORMATS) for f in ("indexer_fp4", "indexer_fp8")),
     doc="a c4 layer's core and indexer compressor steps (compress_and_store of each) in one launch",
 )
 
@@ -164,7 +174,7 @@ _FUSED_ONLINE_ENTRY = "dsv4::fused::OnlineCompressAndStoreEntry<{state}, {format
 FUSED_ONLINE = KernelSpec(
     name="fused_online",
     header="fused/fused.cuh",
-    params=(V4_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
+    params=(LATENT_FORMAT, Param("state", "dtype", ("fp32", "bf16")), PDL),
     exports={"run": _FUSED_ONLINE_ENTRY + "::run",
              "describe_compress_status": "dsv4::compress::online::describe_status",
              "describe_store_status": "dsv4::store::describe_status"},

@@ -1,5 +1,7 @@
 // Quantization codecs of the compressed KV cache (contract §6.6): UE8M0 power-of-two scales rounded
-// up, e4m3 with round-to-nearest-even, and the e2m1 (fp4) threshold code.
+// up, e4m3 with round-to-nearest-even, and the e2m1 (fp4) threshold code; and the DeepSeek-V4.1
+// codes (contract §10): the V4.1 tile exponent, the fp4 layouts' e4m3 tile scale, and e2m1 with
+// round-to-nearest-even (the hardware conversion's rule).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -96,5 +98,77 @@ struct alignas(16) Fp4CodeTable {
 };
 
 __device__ constexpr Fp4CodeTable kFp4Codes = Fp4CodeTable::make();
+
+// ---- DeepSeek-V4.1 -------------------------------------------------------------------------------
+
+/// Whether the target has the hardware e2m1 conversion (cvt.rn.satfinite.e2m1x2.f32): Blackwell's
+/// arch- and family-specific targets (sm_100a, sm_120a). Elsewhere (sm_90a) e2m1_rn computes the same
+/// codes in software.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && defined(__CUDA_ARCH_FAMILY_SPECIFIC__)
+#define DSV4_HW_E2M1 1
+#else
+#define DSV4_HW_E2M1 0
+#endif
+
+/// The e2m1 code of `u` by the hardware conversion's rule: the magnitude rounded to the nearest of
+/// {0, 0.5, 1, 1.5, 2, 3, 4, 6} with ties to the even code, saturated at 6 (+inf too); the sign bit
+/// kept (also for -0 and for negatives that round to 0); NaN gives 0x7 (+6), as CUDA's conversion
+/// does. From 1 up, e2m1 is fp32 with one mantissa bit: rounding the fp32 bits at bit 22 to nearest
+/// even (add 2^21 - 1 plus bit 22, truncate) gives exponent and bit, and 1.0 is code 2; below 1 the
+/// codes 0, 1, 2 split at the ties 0.25 (to 0) and 0.75 (to 1.0).
+DSV4_DEV uint32_t e2m1_rn_soft(float u) {
+  const uint32_t bits = __float_as_uint(u), mag = bits & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return 7u;  // NaN
+  const float a = __uint_as_float(mag);
+  const uint32_t from_one = min(((mag + 0x1FFFFFu + ((mag >> 22) & 1u)) >> 22) - (127u << 1) + 2u, 7u);
+  const uint32_t below_one = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f);
+  return (a >= 1.0f ? from_one : below_one) | ((bits >> 28) & 8u);
+}
+
+/// Two e2m1 codes (e2m1_rn_soft's rule) as one byte, `lo` in the low nibble.
+DSV4_DEV uint32_t e2m1_rn_pair(float lo, float hi) {
+#if DSV4_HW_E2M1
+  uint16_t byte;
+  asm("{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, %1, %2; mov.b16 %0, {t, 0}; }" : "=h"(byte) : "f"(hi), "f"(lo));
+  return byte;
+#else
+  return e2m1_rn_soft(lo) | e2m1_rn_soft(hi) << 4;
+#endif
+}
+
+/// The e2m1 grid value of a code (the fake quant's dequantization: exact).
+DSV4_DEV float e2m1_value(uint32_t code) {
+  constexpr float kGrid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = kGrid[code & 7u];
+  return (code & 8u) ? -v : v;
+}
+
+/// The e4m3 code of one value (round to nearest even, saturated to ±448).
+DSV4_DEV uint32_t e4m3_code(float x) { return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3); }
+
+/// The value of an e4m3 code (exact in fp32).
+DSV4_DEV float e4m3_value(uint32_t code) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3)));
+}
+
+/// The UE8M0 exponent of a V4.1 fp8 tile of largest magnitude `amax`: 127 + ceil(log2(max(amax / 448,
+/// 2^-13))) evaluated on amax's bits (448 = 1.75·2^8: one more where the mantissa exceeds 0.75), so
+/// no quotient is rounded; at least 114 (an all-zero tile too). The codes e4m3(v·2^(127-e)) never
+/// saturate.
+DSV4_DEV int v41_tile_exponent(float amax) {
+  const uint32_t bits = __float_as_uint(amax);
+  return max(static_cast<int>(bits >> 23) - 8 + static_cast<int>((bits & 0x7FFFFFu) > 0x600000u), 114);
+}
+
+/// The e4m3 scale code of a V4.1 fp4 tile: e4m3(clamp(amax / 6, 2^-9, 448)), an IEEE division (the
+/// layout's encoder; the fake quant multiplies by fl(1/6) instead: fp4_fake_quant_scale).
+DSV4_DEV uint32_t v41_fp4_scale_code(float amax) {
+  return e4m3_code(fminf(fmaxf(__fdiv_rn(amax, 6.0f), 0x1p-9f), 448.0f));
+}
+
+/// The fake quant's tile scale code: e4m3(clamp(amax · fl(1/6), 2^-9, 448)).
+DSV4_DEV uint32_t fp4_fake_quant_scale_code(float amax) {
+  return e4m3_code(fminf(fmaxf(__fmul_rn(amax, 1.0f / 6.0f), 0x1p-9f), 448.0f));
+}
 
 }  // namespace dsv4

@@ -187,8 +187,8 @@ struct EntryBase {
                         const TensorView& norm_weight, const TensorView& freq, const TensorView& out_loc,
                         const TensorView& kvcache, int64_t page_size, bool is_decode, double eps,
                         int64_t num_q_tokens) {
-    p.s = Store::checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, nullptr, page_size, kRatio,
-                         is_decode, eps, num_q_tokens);
+    p.s = Store::checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, Optional<TensorView>(), nullptr,
+                         page_size, kRatio, is_decode, eps, num_q_tokens);
   }
 
   /// Checks the buffers of the path `one_kernel` names (`rows` is checked as the compressor's output

@@ -26,7 +26,7 @@
 #include "store/rope.cuh"
 #include "store/rows.cuh"
 #include "store/store.cuh"
-#include "store/v4_codec.cuh"
+#include "store/latent_codec.cuh"
 
 namespace dsv4::fused {
 
@@ -119,7 +119,7 @@ struct StoreStep {
         f[c] = rope_channel(lane) >= 0 ? sh.freq[r][rope_channel(lane) + c] : 0.0f;
       }
       const float scale = store::rms_scale<F>(p, total);
-      store::normalize_group<F>(l + kWarpSize * slice, x, w, scale, f);
+      store::normalize_group<F, InT>(l + kWarpSize * slice, x, w, scale, f);
       store_chunk(store::slot_at<F>(p, loc), slice, x, l);
     }
 
@@ -130,7 +130,7 @@ struct StoreStep {
         const auto codes = store::encode_indexer<F, kWarpSize>(v, lane, store::Fp4ByRule{});
         store::write_indexer<F, kWarpSize>(slot, lane, codes);
       } else {
-        store::write_v4<F>(slot, 128 * k + 4 * lane, store::encode_v4<F>(128 * k + 4 * lane, x));
+        store::write_latent<F>(slot, 128 * k + 4 * lane, store::encode_latent<F>(128 * k + 4 * lane, x));
       }
     }
   };
@@ -153,7 +153,7 @@ template <typename InT, store::Format F, bool kPDL, int kSlices>
 struct LastSliceStores {
   using RowStore = store::Kernel<InT, F, kPDL, kWarpSize>;
   static constexpr int kHeadDim = store::Layout<F>::kHeadDim;
-  static_assert(!store::Layout<F>::kIndexer, "ring c128 rows are V4 rows");
+  static_assert(!store::Layout<F>::kIndexer, "ring c128 rows are latent rows");
   /// The row store's operands, brought in while a decode row pools (Sink::preload).
   struct Shared {
     alignas(16) InT weight[kHeadDim];
@@ -228,7 +228,7 @@ struct LastSliceStores {
       if (before != kSlices - 1) return;
       __syncwarp();  // lane 0's acquire orders every lane's reads of the other slices (and of sh)
       if (l == 0) row_counts[lane.row] = 0;  // the row's blocks are done with it: zero for the next call
-      RowStore::store_v4_row(p, lane.row, l, preloaded_operands());
+      RowStore::store_latent_row(p, lane.row, l, preloaded_operands());
     }
 
     /// The count before this one, with acquire semantics: what the blocks counted before wrote

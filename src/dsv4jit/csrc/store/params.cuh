@@ -25,6 +25,7 @@ struct Params {
   float eps;
   bool loc64;
   bool is_decode;
+  uint8_t* rope_cache;      // two pools (Format::kV4TwoPool): [num_pages · page_size, 128], else nullptr
 };
 
 enum StatusBit : int32_t {

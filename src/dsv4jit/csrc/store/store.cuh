@@ -21,12 +21,12 @@
 #include "common/vec.cuh"
 #include "common/warp.cuh"
 #include "indexer_codec.cuh"
+#include "latent_codec.cuh"
 #include "layout.cuh"
 #include "params.cuh"
 #include "rms.cuh"
 #include "rope.cuh"
 #include "rows.cuh"
-#include "v4_codec.cuh"
 
 namespace dsv4::store {
 
@@ -131,7 +131,7 @@ struct Kernel {
     }
     const float r = rms_scale<F>(p, sum_squares<kLanes>(x));
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) normalize_group<F>(R::vlane(j, g), x[g], w[g], r, f[g]);
+    for (int g = 0; g < kGroups; ++g) normalize_group<F, DType>(R::vlane(j, g), x[g], w[g], r, f[g]);
     const auto codes = encode(x, j);
     // Only the writes need the location: the check waits for it last.
     if constexpr (kLanes == kWarpSize) {  // a row per warp: selected, as the warp is still here
@@ -144,26 +144,26 @@ struct Kernel {
     }
   }
 
-  /// A V4 row's codes: its 128-channel chunks, encoded.
-  struct V4Chunks {
-    V4Dims<4> chunk[kGroups];
+  /// A latent row's codes: its 128-channel chunks, encoded.
+  struct LatentChunks {
+    decltype(encode_latent<F, true>(0, std::declval<const float (&)[4]>())) chunk[kGroups];
   };
 
-  /// A V4 row (a warp, lane j): each 128-channel chunk as bf16, or e4m3 with its tiles' scales. Also
-  /// the ring c128 fused kernels' store of a row (fused/fused.cuh), with operands they preloaded.
+  /// A latent row (a warp, lane j): each 128-channel chunk coded by its format (latent_codec.cuh).
+  /// Also the ring c128 fused kernels' store of a row (fused/sinks.cuh), with operands they preloaded.
   template <typename Operands = FromGlobal<DType>>
-  static DSV4_DEV void store_v4_row(const Params& p, uint32_t row, int j, const Operands& operands = {}) {
+  static DSV4_DEV void store_latent_row(const Params& p, uint32_t row, int j, const Operands& operands = {}) {
     store_row(
         p, row, j, operands,
         [](float (&x)[kGroups][4], int j) {
-          V4Chunks out;
+          LatentChunks out;
 #pragma unroll
-          for (int g = 0; g < kGroups; ++g) out.chunk[g] = encode_v4<F, true>(128 * g + 4 * j, x[g]);
+          for (int g = 0; g < kGroups; ++g) out.chunk[g] = encode_latent<F, true>(128 * g + 4 * j, x[g]);
           return out;
         },
-        [](const Slot& slot, int j, const V4Chunks& codes) {
+        [](const Slot& slot, int j, const LatentChunks& codes) {
 #pragma unroll
-          for (int g = 0; g < kGroups; ++g) write_v4<F>(slot, 128 * g + 4 * j, codes.chunk[g]);
+          for (int g = 0; g < kGroups; ++g) write_latent<F>(slot, 128 * g + 4 * j, codes.chunk[g]);
         });
   }
 
@@ -189,7 +189,7 @@ struct Kernel {
       fp4.wait();  // no copy lands after its warp has left, also when the warp coded nothing
     } else {
       wait_upstream();
-      store_v4_row(p, row, j);
+      store_latent_row(p, row, j);
     }
   }
 
@@ -224,8 +224,9 @@ struct NormRopeStoreEntry {
   /// Checks the plan rows (`rows` of them) and every store operand, and fills the parameters
   /// (kv excluded): the fused compress-and-store kernel shares this with run().
   static Params checked(const char* op, Size& rows, Device& dev, TensorView plan, TensorView norm_weight,
-                        TensorView freq, TensorView out_loc, TensorView kvcache, int32_t* status, int64_t page_size,
-                        int64_t compress_ratio, bool is_decode, double eps, int64_t num_q_tokens) {
+                        TensorView freq, TensorView out_loc, TensorView kvcache, const Optional<TensorView>& kvcache_rope,
+                        int32_t* status, int64_t page_size, int64_t compress_ratio, bool is_decode, double eps,
+                        int64_t num_q_tokens) {
     Size pages{"num_pages"}, max_pos{"max_pos"}, locs{"out_loc_len"};
     expect(compress_ratio == 4 || compress_ratio == 128, op, "compress_ratio", "4 or 128", compress_ratio);
     expect(page_size > 0 && (page_size & (page_size - 1)) == 0, op, "page_size", "a power of two", page_size);
@@ -248,6 +249,19 @@ struct NormRopeStoreEntry {
              locs.value);
     }
     Params p{};
+    if constexpr (F == Format::kV4TwoPool) {
+      expect(kvcache_rope.has_value(), op, "kvcache_rope", "a uint8 [num_pages * page_size, 128] pool of bf16 rope rows",
+             "None");
+      Size rope_rows{"rope_rows"};
+      Check(op, "kvcache_rope", kvcache_rope.value()).shape({rope_rows, 2 * kRopeDim}).dtype(dl::kU8).cuda(dev)
+          .contiguous().aligned();
+      expect(rope_rows.value == pages.value * page_size, op, "kvcache_rope",
+             [&] { return "one row per cache slot (num_pages * page_size = " + std::to_string(pages.value * page_size) +
+                          ")"; }, rope_rows.value);
+      p.rope_cache = static_cast<uint8_t*>(kvcache_rope.value().data_ptr());
+    } else {
+      expect(!kvcache_rope.has_value(), op, "kvcache_rope", "None (a rope pool is fp8_2buff's only)", "a tensor");
+    }
     p.plan = plan.data_ptr();
     p.norm_weight = norm_weight.data_ptr();
     p.freq = static_cast<const float*>(freq.data_ptr());
@@ -270,16 +284,16 @@ struct NormRopeStoreEntry {
   /// kv [rows, hd]; plan rows (CompressPlan in prefill, DecodePlan in decode); freq complex64 [max_pos, 32]
   /// or fp32 [max_pos, 64];
   /// out_loc int32/int64 (prefill: >= num_q_tokens entries, indexed by ragged id; decode: one per row);
-  /// kvcache u8 [num_pages, page_bytes].
+  /// kvcache u8 [num_pages, page_bytes]; kvcache_rope (two pools only) u8 [num_pages · page_size, 128].
   static void run(TensorView kv, TensorView plan_rows, TensorView norm_weight, TensorView freq, TensorView out_loc,
-                  TensorView kvcache, Optional<TensorView> status, int64_t page_size, int64_t compress_ratio,
-                  bool is_decode, double norm_eps, int64_t num_q_tokens) {
+                  TensorView kvcache, Optional<TensorView> kvcache_rope, Optional<TensorView> status,
+                  int64_t page_size, int64_t compress_ratio, bool is_decode, double norm_eps, int64_t num_q_tokens) {
     const char* op = "compress_norm_rope_store";
     Size rows{"rows"};
     Device dev;
     Check(op, "kv", kv).shape({rows, L::kHeadDim}).dtype(DTypeInfo<DType>::dtype).cuda(dev).contiguous().aligned();
-    Params p = checked(op, rows, dev, plan_rows, norm_weight, freq, out_loc, kvcache, status_words(op, dev, status), page_size,
-                       compress_ratio, is_decode, norm_eps, num_q_tokens);
+    Params p = checked(op, rows, dev, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope,
+                       status_words(op, dev, status), page_size, compress_ratio, is_decode, norm_eps, num_q_tokens);
     p.kv = kv.data_ptr();
     launch_store(op, dev, p);
   }

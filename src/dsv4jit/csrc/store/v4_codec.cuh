@@ -1,5 +1,6 @@
 // The V4 latent row's codec: bf16 for bf16_store and the rope dims, e4m3 with one UE8M0 scale per
-// 64-dim tile for the others (encode_v4), and its bytes in the cache slot (write_v4).
+// 64-dim tile for the others (encode_v4), and its bytes in the cache slot (write_v4), in one page or
+// in two pools.
 #pragma once
 
 #include <type_traits>
@@ -46,7 +47,7 @@ DSV4_DEV V4Dims<N> encode_v4(int dim, const float (&x)[N]) {
     const __nv_bfloat162 pair = __floats2bfloat162_rn(x[c], x[c + 1]);
     out.bf16[c] = pair.x, out.bf16[c + 1] = pair.y;
   }
-  if constexpr (F == Format::kV4Fp8) {
+  if constexpr (F == Format::kV4Fp8 || F == Format::kV4TwoPool) {
     float q[N], amax = 0.0f;
 #pragma unroll
     for (int c = 0; c < N; ++c) q[c] = __bfloat162float(out.bf16[c]), amax = fmaxf(amax, fabsf(q[c]));
@@ -64,6 +65,15 @@ DSV4_DEV void write_v4(const Slot& slot, int dim, const V4Dims<N>& d) {
   constexpr int kNope = Layout<F>::kHeadDim - kRopeDim;
   if constexpr (F == Format::kV4Bf16) {
     store_vec(reinterpret_cast<bf16_t*>(slot.data) + dim, d.bf16);
+  } else if constexpr (F == Format::kV4TwoPool) {
+    if (dim >= kNope) {
+      store_vec(reinterpret_cast<bf16_t*>(slot.rope) + (dim - kNope), d.bf16);
+    } else {
+      using Codes = std::conditional_t<N == 4, uint32_t, uint16_t>;
+      *reinterpret_cast<Codes*>(slot.data + dim) = static_cast<Codes>(d.codes);
+      // each exponent twice (a 16-bit word): the two-pool reader's scale layout
+      if (dim % 64 == 0) *reinterpret_cast<uint16_t*>(slot.scales + 2 * (dim / 64)) = static_cast<uint16_t>(d.e * 0x101);
+    }
   } else if (dim >= kNope) {
     store_vec(reinterpret_cast<bf16_t*>(slot.data + kNope) + (dim - kNope), d.bf16);
   } else {
