@@ -1,4 +1,4 @@
-"""The paged KV cache layouts of the DeepSeek-V4 family (SPEC-V41 §1.1-§1.2), with sglang's names.
+"""The paged KV cache layouts of the DeepSeek-V4 family, with the names of sglang 0.5.23.
 
 A layout fixes, per token, its data bytes (value codes), its scale bytes (one scale per tile of
 values) and their arrangement in a page:
@@ -27,7 +27,7 @@ class _Facts(NamedTuple):
     interleaved: bool
 
 
-#: SPEC-V41 §1.1, one row per layout.
+#: The facts of each layout, one row per layout.
 _FACTS = {
     "v4": _Facts(576, 8, 64, 576, "v4", False),                  # e4m3 nope + bf16 rope, UE8M0 per 64 nope
     "v41": _Facts(512, 16, 32, 512, "v41", False),               # e4m3, UE8M0 per 32
@@ -128,7 +128,7 @@ class KVLayout(str, enum.Enum):
 def is_valid_kv_layout_pair(kv, extra_kv) -> bool:
     """Whether a main cache in layout ``kv`` and an extra compressed cache in ``extra_kv`` can be read
     together: identical layouts, or an fp4-encoded extra cache beside a ``v41``-encoded main cache of
-    the same arrangement (SPEC-V41 §1.1)."""
+    the same arrangement, as sglang's decode reader accepts them."""
     kv, extra_kv = KVLayout.parse(kv), KVLayout.parse(extra_kv)
     return extra_kv is kv or (kv.encoding is KVLayout.V41 and extra_kv.is_fp4
                                and kv.is_interleaved == extra_kv.is_interleaved)

@@ -1,4 +1,4 @@
-"""Independent formulations of the DeepSeek-V4.1 codecs (SPEC-V41 §1.3-§1.4, §3.2) for the reference
+"""Independent formulations of the DeepSeek-V4.1 codecs for the reference
 tests: scalar Python over fp32 values, CUDA's own e2m1 conversion algorithm, torch's float8 cast and
 exact rational arithmetic, none of which the code under test uses."""
 
@@ -108,7 +108,7 @@ def uniform_fp8_row(values: list[float]) -> list[int]:
 
 
 def fake_quant_16(values: list[float]) -> list[float]:
-    """SPEC-V41 §3.2 on one row: s = e4m3(clamp(fl(a · fl(1/6)), 2^-9, 448)), u = fl(v / s) + 0.0,
+    """The compressed-KV fp4 fake quant of one row: s = e4m3(clamp(fl(a · fl(1/6)), 2^-9, 448)), u = fl(v / s) + 0.0,
     grid(e2m1rn(u)) · s."""
     one_sixth = f32(1.0 / 6.0)
     out = []

@@ -1,4 +1,4 @@
-"""The V4.1 codecs (reference/quant_v41.py) against SPEC-V41 §1.3-§1.4 and §3.2: hand-worked codes,
+"""The V4.1 codecs (reference/quant_v41.py) against sglang 0.5.23's rules: hand-worked codes,
 CUDA's own e2m1 conversion algorithm, exact rational arithmetic and torch's float8 cast
 (tests/helpers/v41_oracles.py)."""
 
@@ -158,10 +158,6 @@ def test_fake_quant_fp4_16():
 
 # ------------------------------------------------------------------------------------------ row codecs
 
-def oracle_rows(values: torch.Tensor):
-    return values.tolist()
-
-
 @pytest.fixture(scope="module")
 def rows() -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
@@ -213,7 +209,8 @@ def test_decoders_give_the_value_of_each_code(rows):
             value = (-1 if code & 8 else 1) * E2M1_GRID[code & 7] * e4m3_value(int(scales[i, j // 16]))
             assert got[i, j].item() == value
     data, scales = quant_v41.encode_uniform_fp8_rows(rows)
-    assert quant_v41.decode_uniform_fp8_rows(data, scales).tolist() == [[e4m3_value(c) for c in r] for r in data.tolist()]
+    expected = [[e4m3_value(c) for c in r] for r in data.tolist()]
+    assert quant_v41.decode_uniform_fp8_rows(data, scales).tolist() == expected
 
 
 def test_fdiv_is_the_correctly_rounded_quotient():

@@ -1,8 +1,8 @@
 """The paged V4.1 layouts (reference/layouts.py) and the V4.1 / two-pool paths of
-compress_norm_rope_store (reference/store.py) against SPEC-V41 §1.2, §1.4, §2.1-§2.4.
+compress_norm_rope_store (reference/store.py) against the rules of sglang 0.5.23.
 
 Expected bytes come from the scalar oracles of tests/helpers/v41_oracles.py at addresses computed here
-from the SPEC's rules; caches start poisoned, so a stray or missing write shows."""
+from those rules; caches start poisoned, so a stray or missing write shows."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def oracle_bytes(layout: KVLayout, row: torch.Tensor) -> tuple[list[int], list[i
 
 
 def token_spans(layout: KVLayout, loc: int, page_size: int) -> tuple[int, int]:
-    """Flat byte offsets of a token's data and scales (SPEC-V41 §1.2), written out per arrangement."""
+    """Flat byte offsets of a token's data and scales, written out per arrangement."""
     page, slot = divmod(loc, page_size)
     base = page * layout.page_bytes(page_size)
     bpt = layout.data_bytes + layout.scale_bytes
@@ -67,7 +67,7 @@ def check_token(cache: torch.Tensor, layout: KVLayout, loc: int, page_size: int,
     (KVLayout.V41_FP4_NEW, 5 * 36864 + 288, 5 * 36864 + 288 + 256),
 ])
 def test_the_spec_address_example(layout, data_at, scales_at):
-    """SPEC-V41 §1.2: loc 641 at page size 128 is page 5, slot 1."""
+    """The address example: loc 641 at page size 128 is page 5, slot 1."""
     row = random_rows(1, 1)
     cache = poisoned(layout, 7, 128)
     layouts.write_layout(cache, torch.tensor([641]), row, 128, layout)
@@ -91,7 +91,8 @@ def test_a_writer_touches_exactly_its_tokens_bytes(layout):
         changed |= set(torch.nonzero(cache.flatten() != poison).flatten().tolist())
     data_at, scales_at = token_spans(layout, loc, page_size)
     written_scales = 7 if layout is KVLayout.V4 else layout.scale_bytes
-    assert changed == set(range(data_at, data_at + layout.data_bytes)) | set(range(scales_at, scales_at + written_scales))
+    expected = set(range(data_at, data_at + layout.data_bytes)) | set(range(scales_at, scales_at + written_scales))
+    assert changed == expected
 
 
 @pytest.mark.parametrize("layout", V41_LAYOUTS)
@@ -141,7 +142,7 @@ def test_read_layout_dequantizes_each_code():
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_two_pool_store_is_the_v4_latent_split_in_two(page_size):
-    """SPEC-V41 §2.4: a 512-byte row per slot (448 nope codes, the 7 exponents each twice, bytes 462-511
+    """A 512-byte row per slot (448 nope codes, the 7 exponents each twice, bytes 462-511
     untouched) and a 128-byte bf16 rope row per slot, with the V4 latent's codes."""
     pages, rows, locs = 12 // page_size, random_rows(5, 6), [1, 3, 4, 7, 10]
     v4 = poisoned(KVLayout.V4, pages, page_size)
@@ -184,7 +185,7 @@ def decode_case(n: int, ratio: int, seed: int):
 
 def expected_v41_rows(kv: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, freq_cis: torch.Tensor,
                       dtype: torch.dtype) -> torch.Tensor:
-    """SPEC-V41 §2.2 steps 1-3: RMSNorm, rounded to kv's dtype, rope dims rotated in fp32 and rounded again."""
+    """The V4.1 path's values: RMSNorm, rounded to kv's dtype, rope dims rotated in fp32 and rounded again."""
     def to_d(x):
         return x.to(dtype).float()
 

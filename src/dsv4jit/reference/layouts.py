@@ -1,5 +1,5 @@
-"""Paged writers and readers of the KV layouts (SPEC-V41 §1, contract §6.7) and of the V4 two-pool
-store (SPEC-V41 §2.4), for ``[n, 512]`` fp32 rows.
+"""Paged writers and readers of the KV layouts (``dsv4jit.kv_layout``; ``v4`` is contract §6.7) and of the
+V4 two-pool store (``fp8_2buff``), for ``[n, 512]`` fp32 rows.
 
 ``write_layout`` encodes each row with its layout's row codec (``v4`` below, the V4.1 ones in
 ``quant_v41``) and scatters its data and scale bytes to the slot's addresses (``KVLayout.row_addressing``:
@@ -75,7 +75,7 @@ def check_layout_cache(kvcache: torch.Tensor, page_size: int, layout: KVLayout, 
 
 
 def token_addresses(kvcache: torch.Tensor, locs, page_size: int, layout: KVLayout, name: str = "out_loc"):
-    """(page, data offset, scale offset) of each location's token (SPEC-V41 §1.2), after the checks."""
+    """(page, data offset, scale offset) of each location's token, after the checks."""
     check_layout_cache(kvcache, page_size, layout)
     page, slot = page_slot(kvcache, locs, page_size, name)
     data_stride, scale_base, scale_stride = layout.row_addressing(page_size)
@@ -127,7 +127,7 @@ def check_two_pool(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, page_size:
 
 def write_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, values: torch.Tensor,
                    page_size: int) -> None:
-    """Store rows ``values [n, 512]`` in the V4 two-pool store (SPEC-V41 §2.4): token ``loc``'s 512-byte
+    """Store rows ``values [n, 512]`` in the V4 two-pool store (``fp8_2buff``): token ``loc``'s 512-byte
     row of ``kvcache`` holds the nope codes of the V4 latent (bytes 0-447) and its 7 exponents, each
     written twice (bytes ``448 + 2t`` and ``449 + 2t``; bytes 462-511 are never written); row ``loc`` of
     ``kvcache_rope`` holds the 64 rope dims as bf16."""

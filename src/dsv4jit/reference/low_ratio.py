@@ -1,4 +1,4 @@
-"""Pure-torch reference of the DeepSeek-V4.1 ratio-1 and ratio-2 compressors (SPEC-V41 §3): the CPU
+"""Pure-torch reference of the DeepSeek-V4.1 ratio-1 and ratio-2 compressors of sglang 0.5.23: the CPU
 backend of the ops and the oracle of their GPU tests, with sglang's names and signatures.
 
 * ``c1_decode_norm_rope_store``: each row's RMSNorm is its latent (ratio 1: every token produces one),
@@ -20,7 +20,7 @@ no fused multiply-add):
   ``pooled = ((kv_o · w_o) + (kv_n · w_n)) / (1 + e)``; the latent is the RMSNorm of ``bf(pooled)``.
 * ``exp`` is evaluated in fp64 and rounded to fp32 (the correctly rounded ``expf``, but for rare
   double-rounding cases); CUDA's accurate ``expf`` may differ from it in the last place.
-* Store (SPEC-V41 §3.3): the latent's rope dims rotated in fp32 at the RoPE position and rounded to
+* Store: the latent's rope dims rotated in fp32 at the RoPE position and rounded to
   bf16; fp4 layouts encode that; the others encode ``fake_quant_fp4_16`` of it (``v4``: the V4 latent
   writer, whose bf16 rounding is then exact).
 
@@ -140,7 +140,7 @@ def latent(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def pool_pairs_c2(partner: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """The fused kernels' pair pooling (SPEC-V41 §3.6) of ``| kv | score |`` rows, fp32 ``[n, 512]``."""
+    """The fused kernels' pair pooling of ``| kv | score |`` rows, fp32 ``[n, 512]``."""
     kv_o, s_o = partner[:, :HEAD_DIM], partner[:, HEAD_DIM:]
     kv_n, s_n = own[:, :HEAD_DIM], own[:, HEAD_DIM:]
     d = s_o - s_n
@@ -152,7 +152,7 @@ def pool_pairs_c2(partner: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 def store_latents(cache: torch.Tensor, locs: torch.Tensor, latents: torch.Tensor, rope_positions: torch.Tensor,
                   freq: torch.Tensor, page_size: int, layout: KVLayout) -> None:
-    """SPEC-V41 §3.3: rope dims of the bf16 ``latents`` rotated in fp32 and rounded to bf16; fp4 layouts
+    """The store of a latent: rope dims of the bf16 ``latents`` rotated in fp32 and rounded to bf16; fp4 layouts
     store that, the others its compressed-KV fp4 fake quant."""
     z = bf16_round(apply_rope(latents, freq, rope_positions))
     write_layout(cache, locs, z if layout.is_fp4 else fake_quant_fp4_16(z), page_size, layout)
@@ -162,7 +162,7 @@ def store_latents(cache: torch.Tensor, locs: torch.Tensor, latents: torch.Tensor
 
 def c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, freqs_cis, k_cache, *, page_size,
                               layout="v4", out=None):
-    """Ratio 1 (SPEC-V41 §3.4), decode and extend alike: ``out[r]`` = the latent of ``kv_input[r]`` (bf16
+    """Ratio 1, decode and extend alike: ``out[r]`` = the latent of ``kv_input[r]`` (bf16
     ``[N, 512]``, the raw projection) for every row, padded ones included; rows with ``out_loc > 0``
     (int32 or int64; ``<= 0``: padding) store it at slot ``out_loc`` of ``k_cache`` with RoPE position
     ``positions[r]``. Returns ``out`` (bf16 ``[N, 512]``, allocated if None)."""
@@ -229,7 +229,7 @@ def _check_closing(closing: torch.Tensor, positions, raw, freq, cache, page_size
 def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, raw_out_loc, eps, freqs_cis, k_cache,
                               *, page_size, ring_size, draft_len=1, layout="v4", out=None):
     """Ratio 2, decode (``draft_len = 1``: one row per request) or target verify (``draft_len = d > 1``:
-    request-major blocks of ``d`` consecutive positions), SPEC-V41 §3.7.
+    request-major blocks of ``d`` consecutive positions).
 
     ``kv_input`` fp32 ``[N, 1024]`` (``| kv | score |``). A row's partner is the previous input row inside a
     verify block, else ring row ``req · ring_size + (p − 1) mod ring_size`` of ``kv_state`` (read for every
@@ -271,7 +271,7 @@ def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, r
 
 def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, raw_out_loc, eps, freqs_cis, k_cache,
                                extend_start_loc, extend_seq_lens, *, page_size, ring_size, layout="v4", out=None):
-    """Ratio 2, an extend batch (SPEC-V41 §3.7): request ``i`` owns input rows ``[extend_start_loc[i],
+    """Ratio 2, an extend batch: request ``i`` owns input rows ``[extend_start_loc[i],
     extend_start_loc[i] + extend_seq_lens[i])`` (int32); rows of no request and padded rows
     (``raw_out_loc == 0``) take no part.
 
@@ -322,7 +322,7 @@ def min_tail(starts: torch.Tensor, lens: torch.Tensor, ring_size: int) -> torch.
 # ---------------------------------------------------------------------------------------- decode pool
 
 def c2_decode_pool(kv, score, pos, raw_out_loc, out_loc, req, state_kv, state_score, pad_row, *, ring_size=0):
-    """Ratio-2 decode pair pooling alone (SPEC-V41 §3.9; sglang's non-fused path): ``(pooled, group_pos,
+    """Ratio-2 decode pair pooling alone (sglang's non-fused path, its Triton kernel): ``(pooled, group_pos,
     slots)``, updating the state rows in place.
 
     ``kv``, ``score``: fp32 ``[n, D]``; ``pos``, ``req`` int64; ``raw_out_loc``, ``out_loc`` int32 or int64;

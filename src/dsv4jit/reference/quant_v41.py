@@ -1,4 +1,4 @@
-"""The codecs DeepSeek-V4.1 adds (SPEC-V41 §1.3-§1.4, §3.2), in plain torch on fp32 values, exact.
+"""The codecs DeepSeek-V4.1 adds (as sglang 0.5.23 encodes them), in plain torch on fp32 values, exact.
 
 * e2m1 with **round to nearest, ties to the even code** (the hardware ``cvt.rn.satfinite.e2m1x2.f32``),
   not the threshold rule of the V4 indexer (``quant.fp4_encode``); the sign bit is kept for −0.
@@ -83,7 +83,7 @@ def v41_fp4_scale(amax):
 
 
 def fake_quant_fp4_16(v: torch.Tensor) -> torch.Tensor:
-    """The compressed-KV fp4 fake quant of the ratio-1/2 compressors (SPEC-V41 §3.2), fp32 ``[..., D]``.
+    """The compressed-KV fp4 fake quant of the ratio-1/2 compressors, fp32 ``[..., D]``.
 
     Per block of 16 values with max magnitude ``a``: ``s = e4m3(clamp(a ⊗ fl(1/6), 2⁻⁹, 448))`` (an fp32
     multiply by the rounded reciprocal, unlike the ``v41_fp4`` encoder), ``u = (v ⊘ s) + 0.0`` (the ``+0``

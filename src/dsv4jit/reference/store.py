@@ -288,7 +288,7 @@ def check_layout_flags(layout, head_dim: int, *, use_fp4: bool, bf16_store: bool
                        kvcache_rope) -> KVLayout:
     """The store's ``layout`` (a KVLayout or its name) and two-pool arguments against the others:
     a V4.1 layout stores the 512-dim latent alone; ``fp8_2buff`` is the V4 latent into two pools
-    (SPEC-V41 §2.1)."""
+    (what sglang 0.5.23 supports)."""
     layout = KVLayout.parse(layout)
     if layout is not KVLayout.V4:
         for flag, value in (("use_fp4", use_fp4), ("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
@@ -316,8 +316,8 @@ def check_layout_flags(layout, head_dim: int, *, use_fp4: bool, bf16_store: bool
 
 @dataclass(frozen=True)
 class StoreRows:
-    """What `compress_norm_rope_store` stores, found by `checked_store`: the cache format (a contract
-    §6.5 format for layout v4 without fp8_2buff, else None), the layout and the two-pool flag, the kv
+    """What `compress_norm_rope_store` stores, found by `checked_store`: the cache format (a
+    contract §6.5 format for layout v4 without fp8_2buff, else None), the layout and the two-pool flag, the kv
     rows that store a token, their RoPE positions and cache locations, and the fp32 (cos, sin) table."""
 
     fmt: str | None
@@ -367,7 +367,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
 
 def v41_values(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-    """The fp32 rows a V4.1 layout encodes (SPEC-V41 §2.2): RMSNorm rounded to kv's dtype (a no-op for
+    """The fp32 rows a V4.1 layout encodes: RMSNorm rounded to kv's dtype (a no-op for
     fp32 kv), RoPE in fp32 on those values, the rotated dims rounded to kv's dtype again."""
     def round_to_kv(x: torch.Tensor) -> torch.Tensor:
         return x.to(kv.dtype).to(torch.float32)
@@ -389,8 +389,8 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
     prefill plan's record of the step's tokens; -1: none) is the least number of out_loc entries.
 
     ``layout`` (a KVLayout or its name, any case) other than ``"v4"`` stores the 512-dim rows in that
-    V4.1 layout (SPEC-V41 §2.2); ``fp8_2buff`` stores the V4 latent into ``kvcache`` (512 bytes a slot)
-    and ``kvcache_rope`` (``[pages · page_size, 128]`` uint8) instead (SPEC-V41 §2.4).
+    V4.1 layout (the RMSNorm and rotated values rounded to kv's dtype, no Hadamard); ``fp8_2buff`` stores the V4 latent into ``kvcache`` (512 bytes a slot)
+    and ``kvcache_rope`` (``[pages · page_size, 128]`` uint8) instead.
     """
     rows = checked_store(kv, plan, is_decode=is_decode, compress_ratio=compress_ratio, norm_weight=norm_weight,
                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
