@@ -13,8 +13,8 @@ backend of the ops and the oracle of their GPU tests, with sglang's names and si
 The arithmetic, which the GPU kernels reproduce (operations in this order, each rounded to fp32 once,
 no fused multiply-add):
 
-* RMSNorm as ``store.rms_norm`` (the sum of squares in fp64, rounded once), then bf16:
-  ``L = bf((x · r) · w)``, ``w`` the bf16 weight widened.
+* RMSNorm as ``store.rms_norm``, then bf16: ``L = bf((x · r) · w)``, ``w`` the bf16 weight widened; the
+  sum of squares is exact, rounded once (a kernel's fp32 reduction order may move it by an ulp).
 * c2 pooling of partner ``(kv_o, s_o)`` and own ``(kv_n, s_n)``, per channel: ``d = s_o − s_n``,
   ``e = exp(−|d|)``; ``(w_o, w_n) = (1, e)`` if ``d > 0`` else ``(e, 1)``;
   ``pooled = ((kv_o · w_o) + (kv_n · w_n)) / (1 + e)``; the latent is the RMSNorm of ``bf(pooled)``.
@@ -47,6 +47,8 @@ PAIR_ROW = 2 * HEAD_DIM
 INDEX_DTYPES = (torch.int32, torch.int64)
 CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 INT32_LIMIT = 1 << 31
+READ = "read (req * ring_size + (positions - 1) mod ring_size)"
+WRITTEN = "written (req * ring_size + positions mod ring_size)"
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -112,8 +114,7 @@ def _ring_size(op: str, ring_size, kv_state) -> int:
 
 
 def _ring_rows(what: str, rows: torch.Tensor, kv_state: torch.Tensor) -> torch.Tensor:
-    in_range("req", f"the ring rows {what} (req * ring_size + position mod ring_size)", rows, kv_state.shape[0],
-             "kv_state rows")
+    in_range("req", f"the ring rows {what}", rows, kv_state.shape[0], "kv_state rows")
     return rows
 
 
@@ -192,8 +193,8 @@ def c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, fr
 
 def _c2_rows(op: str, kv_input, kv_state, norm_weight, positions, req, raw_out_loc, eps, freqs_cis, k_cache,
              page_size, ring_size, layout, out):
-    """The checks c2 decode and prefill share: (rows and ring as fp32 CPU tensors, positions, req, raw
-    locations (int64), layout, eps, freq table, cache bytes, out, ring_size)."""
+    """The checks c2 decode and prefill share: ((input rows, ring) on the CPU, positions, req and raw
+    locations as int64, layout, eps, freq table, cache bytes, out, ring_size)."""
     kv_input = _tensor("kv_input", kv_input, (None, PAIR_ROW), (torch.float32,))
     n = kv_input.shape[0]
     ring_size = _ring_size(op, ring_size, kv_state)
@@ -252,11 +253,11 @@ def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, r
         raise ValueError(f"ring_size: must exceed draft_len ({draft_len}) in a verify batch, got {ring_size}")
     from_input = torch.arange(n) % draft_len != 0  # the partner is the previous input row
     from_ring = torch.nonzero(~from_input).flatten()
-    read_rows = _ring_rows("read", req[from_ring] * ring_size + (positions[from_ring] - 1) % ring_size, ring)
+    read_rows = _ring_rows(READ, req[from_ring] * ring_size + (positions[from_ring] - 1) % ring_size, ring)
     live, odd = raw != 0, positions % 2 == 1
     closing = torch.nonzero(live & odd).flatten()
     parked = torch.nonzero(live & ~odd).flatten()
-    park_rows = _ring_rows("written", req[parked] * ring_size + positions[parked] % ring_size, ring)
+    park_rows = _ring_rows(WRITTEN, req[parked] * ring_size + positions[parked] % ring_size, ring)
     _check_closing(closing, positions, raw, freq, cache, page_size)
     if n == 0:
         return out
@@ -272,8 +273,8 @@ def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, r
 def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, raw_out_loc, eps, freqs_cis, k_cache,
                                extend_start_loc, extend_seq_lens, *, page_size, ring_size, layout="v4", out=None):
     """Ratio 2, an extend batch: request ``i`` owns input rows ``[extend_start_loc[i],
-    extend_start_loc[i] + extend_seq_lens[i])`` (int32); rows of no request and padded rows
-    (``raw_out_loc == 0``) take no part.
+    extend_start_loc[i] + extend_seq_lens[i])`` (int32). Padded rows (``raw_out_loc == 0``) take no part;
+    rows of no request (padding after the last one) are never written back.
 
     Pooling pass: an odd, non-padded row pairs with the previous input row when that row is of the same
     request (``req``), at position ``p − 1`` and not padded, else with ring row ``(req, p − 1)``; it writes
@@ -298,10 +299,10 @@ def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, 
     in_batch = ((closing > 0) & (req[previous] == req[closing]) & (positions[previous] == positions[closing] - 1)
                 & live[previous])
     from_ring = closing[~in_batch]
-    read_rows = _ring_rows("read", req[from_ring] * ring_size + (positions[from_ring] - 1) % ring_size, ring)
-    tail = min_tail(starts, lens, ring_size)
+    read_rows = _ring_rows(READ, req[from_ring] * ring_size + (positions[from_ring] - 1) % ring_size, ring)
+    tail = write_back_rows(starts, lens, ring_size)
     tail = tail[live[tail]]
-    back_rows = _ring_rows("written", req[tail] * ring_size + positions[tail] % ring_size, ring)
+    back_rows = _ring_rows(WRITTEN, req[tail] * ring_size + positions[tail] % ring_size, ring)
     _check_closing(closing, positions, raw, freq, cache, page_size)
     if n == 0:
         return out
@@ -312,7 +313,7 @@ def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, 
     return out
 
 
-def min_tail(starts: torch.Tensor, lens: torch.Tensor, ring_size: int) -> torch.Tensor:
+def write_back_rows(starts: torch.Tensor, lens: torch.Tensor, ring_size: int) -> torch.Tensor:
     """Row indices of each request's last ``min(len, ring_size)`` rows, request by request."""
     kept = torch.minimum(lens, torch.tensor(ring_size))
     return torch.cat([torch.arange(int(s + l - k), int(s + l)) for s, l, k in zip(starts, lens, kept)]
