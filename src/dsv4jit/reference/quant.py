@@ -18,6 +18,8 @@ import math
 import torch
 
 E4M3_MAX = 448.0
+#: amax floor of every UE8M0 / fp32-scale quantizer (contract §6.6): an all-zero tile keeps a finite, tiny scale.
+AMAX_FLOOR = 1e-4
 #: UE8M0 bias: the exponent byte ``e`` encodes ``2^(e - 127)``.
 UE8M0_BIAS = 127
 #: fp4 decision thresholds: the code index is the number of thresholds strictly below ``min(|u|, 6)``.
@@ -47,6 +49,20 @@ def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     fp32 multiply by an exactly representable ``2^k``.
     """
     return (x.to(torch.float64) * pow2(k)).to(torch.float32)
+
+
+def floored(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, 1e-4)`` in fp32."""
+    return torch.maximum(amax, torch.tensor(AMAX_FLOOR, dtype=torch.float32))
+
+
+def fdiv(a, b) -> torch.Tensor:
+    """IEEE fp32 ``a / b``, round to nearest even: the quotient of the fp32 operands is formed in fp64 and
+    rounded once, which is the correctly rounded fp32 quotient (fp64 has more than 2·24 + 2 bits), whatever
+    division the device would use (CUDA's torch divides by a scalar through its reciprocal)."""
+    a = torch.as_tensor(a, dtype=torch.float32).to(torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float32).to(torch.float64)
+    return (a / b).to(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- UE8M0

@@ -35,23 +35,23 @@ from ..geometry import (
     INDEXER_FP8_SCALE_BYTES,
     INDEXER_HEAD_DIM,
     ROPE_DIM,
-    V4_DATA_BYTES,
     V4_HEAD_DIM,
-    V4_NOPE_DIM,
-    V4_SCALE_BYTES,
-    V4_TILE,
+    check_page_size,
     check_ratio,
     page_bytes,
     store_format,
 )
+from ..kv_layout import KVLayout
 from ..plan_layout import decode_compress_plan, decode_decode_plan
+from .layouts import check_layout_cache, check_two_pool, read_v4, write_layout, write_v4, write_v4_2buff
+from .paging import as_rows, check_cache, gather, page_slot, scatter
 from .quant import (
     E4M3_MAX,
     FP4_MAX,
     UE8M0_BIAS,
-    bf16_round,
     e4m3_decode,
     e4m3_encode,
+    floored,
     fp4_decode,
     fp4_encode,
     hadamard128,
@@ -60,58 +60,18 @@ from .quant import (
     ue8m0_scale,
 )
 
-# amax floor shared by every quantizer: keeps all-zero tiles at a finite, tiny scale.
-AMAX_FLOOR = 1e-4
-
 
 # ------------------------------------------------------------------------------------ geometry
 
-def check_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
+def check_format_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
     """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of format ``fmt``."""
-    expected = page_bytes(fmt, page_size)
-    if kvcache.dtype != torch.uint8 or kvcache.dim() != 2:
-        raise TypeError(f"kvcache must be a 2-D uint8 tensor, got {kvcache.dim()}-D {kvcache.dtype}")
-    if kvcache.shape[1] != expected:
-        raise ValueError(f"kvcache rows must be page_bytes({fmt!r}, {page_size}) = {expected} bytes, "
-                         f"got {kvcache.shape[1]}")
+    check_cache(kvcache, page_bytes(fmt, page_size), f"page_bytes({fmt!r}, {page_size})")
 
 
 def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: int):
-    """(page, slot) int64 CPU tensors of each location, after checking cache shape and bounds."""
-    check_cache(kvcache, fmt, page_size)
-    locs = torch.as_tensor(locs).detach().cpu().to(torch.int64).reshape(-1)
-    shift = page_size.bit_length() - 1
-    page, slot = locs >> shift, locs & (page_size - 1)
-    if locs.numel() and (bool((locs < 0).any()) or int(page.max()) >= kvcache.shape[0]):
-        raise ValueError(f"out_loc: the cache locations of the stored rows must lie in "
-                         f"[0, {kvcache.shape[0] * page_size}) ({kvcache.shape[0]} pages of {page_size} in kvcache), "
-                         f"got min {int(locs.min())} max {int(locs.max())}")
-    return page, slot
-
-
-def _scatter(kvcache: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, data: torch.Tensor) -> None:
-    """kvcache[page[i], offset[i] + j] = data[i, j] (data: uint8 [n, L])."""
-    cols = offset[:, None] + torch.arange(data.shape[1], dtype=torch.int64)
-    dev = kvcache.device
-    kvcache[page[:, None].expand_as(cols).to(dev), cols.to(dev)] = data.to(dev)
-
-
-def _gather(kvcache: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, length: int) -> torch.Tensor:
-    """uint8 [n, length] CPU tensor of kvcache[page[i], offset[i] + j]."""
-    cols = offset[:, None] + torch.arange(length, dtype=torch.int64)
-    dev = kvcache.device
-    return kvcache[page[:, None].expand_as(cols).to(dev), cols.to(dev)].cpu().contiguous()
-
-
-def _as_rows(values: torch.Tensor, head_dim: int) -> torch.Tensor:
-    values = values.detach().cpu().to(torch.float32)
-    if values.dim() != 2 or values.shape[1] != head_dim:
-        raise ValueError(f"values must be [n, {head_dim}], got {list(values.shape)}")
-    return values.contiguous()
-
-
-def _floored(amax: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(amax, torch.tensor(AMAX_FLOOR, dtype=torch.float32))
+    """(page, slot) of each location, after checking the cache's format and the locations' bounds."""
+    check_format_cache(kvcache, fmt, page_size)
+    return page_slot(kvcache, locs, page_size)
 
 
 # ------------------------------------------------------------------------------- norm and rope
@@ -197,52 +157,20 @@ def norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq
     return apply_rope(rms_norm(kv, norm_weight, norm_eps), freq, positions, rope_dim)
 
 
-# ----------------------------------------------------------------------------- V4 fp8 latent
-
-def write_v4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-    """Store normed+rotated rows ``values [n, 512]`` in the V4 fp8 latent layout (contract §6.7)."""
-    values = _as_rows(values, V4_HEAD_DIM)
-    page, slot = _page_slot(kvcache, locs, "v4_fp8", page_size)
-    n = values.shape[0]
-    # nope: bf16-rounded first, then one power-of-two (rounded-up) scale per 64-dim tile.
-    nope = bf16_round(values[:, :V4_NOPE_DIM]).reshape(n, -1, V4_TILE)
-    amax = nope.abs().amax(-1)
-    e = ue8m0_exponent(_floored(amax) / E4M3_MAX)
-    scaled = ldexp(nope, (UE8M0_BIAS - e)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
-    codes = e4m3_encode(scaled).reshape(n, V4_NOPE_DIM)
-    # rope dims are stored once-rounded from the fp32 rotation.
-    rope = values[:, V4_NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    data = torch.cat([codes, rope], dim=1)
-    _scatter(kvcache, page, slot * V4_DATA_BYTES, data)
-    # Only the 7 exponent bytes; byte 7 of the scale row is padding and never written.
-    _scatter(kvcache, page, page_size * V4_DATA_BYTES + slot * V4_SCALE_BYTES, e.to(torch.uint8))
-
-
-def read_v4(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Dequantized fp32 ``[n, 512]`` rows of a V4 fp8 latent cache."""
-    page, slot = _page_slot(kvcache, locs, "v4_fp8", page_size)
-    n = page.numel()
-    data = _gather(kvcache, page, slot * V4_DATA_BYTES, V4_DATA_BYTES)
-    e = _gather(kvcache, page, page_size * V4_DATA_BYTES + slot * V4_SCALE_BYTES, V4_NOPE_DIM // V4_TILE)
-    nope = e4m3_decode(data[:, :V4_NOPE_DIM]).reshape(n, -1, V4_TILE) * ue8m0_scale(e)[..., None]
-    rope = data[:, V4_NOPE_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)
-    return torch.cat([nope.reshape(n, V4_NOPE_DIM), rope], dim=1)
-
-
 # ----------------------------------------------------------------------------------- bf16 store
 
 def write_bf16(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int = 1) -> None:
     """Store rows ``values [n, 512]`` as 512 bf16 each at ``loc · 1024`` bytes (contract §6.8)."""
-    values = _as_rows(values, V4_HEAD_DIM)
+    values = as_rows(values, V4_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
     data = values.to(torch.bfloat16).contiguous().view(torch.uint8)
-    _scatter(kvcache, page, slot * BF16_TOKEN_BYTES, data)
+    scatter(kvcache, page, slot * BF16_TOKEN_BYTES, data)
 
 
 def read_bf16(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int = 1) -> torch.Tensor:
     """fp32 ``[n, 512]`` rows of a bf16_store cache."""
     page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
-    data = _gather(kvcache, page, slot * BF16_TOKEN_BYTES, BF16_TOKEN_BYTES)
+    data = gather(kvcache, page, slot * BF16_TOKEN_BYTES, BF16_TOKEN_BYTES)
     return data.view(torch.bfloat16).to(torch.float32)
 
 
@@ -250,22 +178,22 @@ def read_bf16(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int = 1) -> 
 
 def write_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
     """Store post-Hadamard rows ``values [n, 128]`` as e4m3 + one fp32 scale each (contract §6.9)."""
-    values = _as_rows(values, INDEXER_HEAD_DIM)
+    values = as_rows(values, INDEXER_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
     # A plain fp32 scale (no power-of-two rounding); the quantizer multiplies by its reciprocal.
-    scale = _floored(values.abs().amax(-1, keepdim=True)) / E4M3_MAX
+    scale = floored(values.abs().amax(-1, keepdim=True)) / E4M3_MAX
     inv_scale = 1.0 / scale
     codes = e4m3_encode((values * inv_scale).clamp(-E4M3_MAX, E4M3_MAX))
-    _scatter(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, codes)
-    _scatter(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
+    scatter(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, codes)
+    scatter(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
              scale.contiguous().view(torch.uint8))
 
 
 def read_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
     """Dequantized fp32 ``[n, 128]`` rows of an indexer fp8 cache."""
     page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
-    codes = _gather(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, INDEXER_FP8_DATA_BYTES)
-    scale = _gather(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
+    codes = gather(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, INDEXER_FP8_DATA_BYTES)
+    scale = gather(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
                     INDEXER_FP8_SCALE_BYTES).view(torch.float32)
     return e4m3_decode(codes) * scale
 
@@ -274,15 +202,15 @@ def read_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) 
 
 def write_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
     """Store post-Hadamard rows ``values [n, 128]`` as packed fp4 + 4 UE8M0 scales each (contract §6.10)."""
-    values = _as_rows(values, INDEXER_HEAD_DIM)
+    values = as_rows(values, INDEXER_HEAD_DIM)
     page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
     n = values.shape[0]
     groups = values.reshape(n, -1, INDEXER_FP4_GROUP)
-    e = ue8m0_exponent(_floored(groups.abs().amax(-1)) / FP4_MAX)
+    e = ue8m0_exponent(floored(groups.abs().amax(-1)) / FP4_MAX)
     codes = fp4_encode(ldexp(groups, (UE8M0_BIAS - e)[..., None])).reshape(n, INDEXER_HEAD_DIM)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # even dim in the low nibble
-    _scatter(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, packed)
-    _scatter(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
+    scatter(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, packed)
+    scatter(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
              e.to(torch.uint8))
 
 
@@ -290,8 +218,8 @@ def read_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) 
     """Dequantized fp32 ``[n, 128]`` rows of an indexer fp4 cache."""
     page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
     n = page.numel()
-    packed = _gather(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, INDEXER_FP4_DATA_BYTES)
-    e = _gather(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
+    packed = gather(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, INDEXER_FP4_DATA_BYTES)
+    e = gather(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
                 INDEXER_FP4_SCALE_BYTES)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1, INDEXER_FP4_GROUP)
     return (fp4_decode(codes) * ue8m0_scale(e)[..., None]).reshape(n, INDEXER_HEAD_DIM)
@@ -346,12 +274,55 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
     return keep, positions, locs
 
 
+def freq_rows(freq_cis: torch.Tensor, name: str = "freq_cis") -> torch.Tensor:
+    """The fp32 ``[max_pos, 64]`` (cos, sin) table of ``freq_cis``: complex ``[max_pos, 32]``, or that
+    fp32 table itself."""
+    freq = freq_cis.detach().cpu() if not torch.is_complex(freq_cis) else freq_table(freq_cis)
+    if freq.dim() != 2 or freq.shape[1] != ROPE_DIM or freq.dtype != torch.float32:
+        raise ValueError(f"{name} must be complex [max_pos, {ROPE_DIM // 2}] (or fp32 [max_pos, {ROPE_DIM}]), "
+                         f"got {list(freq_cis.shape)} {freq_cis.dtype}")
+    return freq
+
+
+def check_layout_flags(layout, head_dim: int, *, use_fp4: bool, bf16_store: bool, fp8_2buff: bool,
+                       kvcache_rope) -> KVLayout:
+    """The store's ``layout`` (a KVLayout or its name) and two-pool arguments against the others:
+    a V4.1 layout stores the 512-dim latent alone; ``fp8_2buff`` is the V4 latent into two pools
+    (what sglang 0.5.23 supports)."""
+    layout = KVLayout.parse(layout)
+    if layout is not KVLayout.V4:
+        for flag, value in (("use_fp4", use_fp4), ("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
+            if value:
+                raise ValueError(f"layout: {layout.value!r} (a V4.1 layout) has its own row format, so {flag} must be "
+                                 f"False, got {flag}=True")
+        if head_dim != V4_HEAD_DIM:
+            raise ValueError(f"layout: {layout.value!r} (a V4.1 layout) stores the {V4_HEAD_DIM}-dim latent only, got "
+                             f"head_dim {head_dim}")
+    if fp8_2buff:
+        for flag, value in (("use_fp4", use_fp4), ("bf16_store", bf16_store)):
+            if value:
+                raise ValueError(f"fp8_2buff: the two-pool store has its own row format, so {flag} must be False, "
+                                 f"got {flag}=True")
+        if head_dim != V4_HEAD_DIM:
+            raise ValueError(f"fp8_2buff: the two-pool store holds the {V4_HEAD_DIM}-dim latent only, got head_dim "
+                             f"{head_dim}")
+        if kvcache_rope is None:
+            raise ValueError("fp8_2buff: the two-pool store needs kvcache_rope (the bf16 rope pool), got None")
+    elif kvcache_rope is not None:
+        raise ValueError("kvcache_rope: only the two-pool store (fp8_2buff=True) writes it, got a tensor with "
+                         "fp8_2buff=False")
+    return layout
+
+
 @dataclass(frozen=True)
 class StoreRows:
-    """What `compress_norm_rope_store` stores, found by `checked_store`: the format, the kv rows
-    that store a token, their RoPE positions and cache locations, and the fp32 (cos, sin) table."""
+    """What `compress_norm_rope_store` stores, found by `checked_store`: the cache format (a
+    contract §6.5 format for layout v4 without fp8_2buff, else None), the layout and the two-pool flag, the kv
+    rows that store a token, their RoPE positions and cache locations, and the fp32 (cos, sin) table."""
 
-    fmt: str
+    fmt: str | None
+    layout: KVLayout
+    fp8_2buff: bool
     keep: torch.Tensor
     positions: torch.Tensor
     locs: torch.Tensor
@@ -360,8 +331,8 @@ class StoreRows:
 
 def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
                   norm_weight: torch.Tensor, freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
-                  page_size: int, use_fp4: bool = False, bf16_store: bool = False,
-                  num_q_tokens: int = -1) -> StoreRows:
+                  page_size: int, use_fp4: bool = False, bf16_store: bool = False, num_q_tokens: int = -1,
+                  layout="v4", fp8_2buff: bool = False, kvcache_rope: torch.Tensor | None = None) -> StoreRows:
     """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read), so
     that a caller that computes kv first (the fused op) can check the store before writing anything."""
     if kv.dim() != 2:
@@ -374,24 +345,41 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
         raise TypeError(f"out_loc must be a 1-D int32 or int64 tensor, got {out_loc.dim()}-D {out_loc.dtype}")
     check_out_loc(out_loc, plan.shape[0], is_decode=is_decode, num_q_tokens=num_q_tokens)
     head_dim = kv.shape[1]
+    layout = check_layout_flags(layout, head_dim, use_fp4=use_fp4, bf16_store=bf16_store, fp8_2buff=fp8_2buff,
+                                kvcache_rope=kvcache_rope)
     fmt = store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store)
     if norm_weight.shape != (head_dim,):
         raise ValueError(f"norm_weight must be [{head_dim}], got {list(norm_weight.shape)}")
-    check_cache(kvcache, fmt, page_size)
-    freq = freq_cis.detach().cpu() if not torch.is_complex(freq_cis) else freq_table(freq_cis)
-    if freq.dim() != 2 or freq.shape[1] != ROPE_DIM or freq.dtype != torch.float32:
-        raise ValueError(f"freq_cis must be complex [max_pos, {ROPE_DIM // 2}] (or fp32 [max_pos, {ROPE_DIM}]), "
-                         f"got {list(freq_cis.shape)} {freq_cis.dtype}")
+    check_page_size(page_size)
+    if fp8_2buff:
+        check_two_pool(kvcache, kvcache_rope, page_size)
+    elif layout is not KVLayout.V4:
+        check_layout_cache(kvcache, page_size, layout)
+    else:
+        check_format_cache(kvcache, fmt, page_size)
+    freq = freq_rows(freq_cis)
     keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
     _check_positions(positions, freq)
-    _page_slot(kvcache, locs, fmt, page_size)
-    return StoreRows(fmt, keep, positions, locs, freq)
+    page_slot(kvcache, locs, page_size)
+    v4_format = fmt if layout is KVLayout.V4 and not fp8_2buff else None
+    return StoreRows(v4_format, layout, fp8_2buff, keep, positions, locs, freq)
+
+
+def v41_values(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """The fp32 rows a V4.1 layout encodes: RMSNorm rounded to kv's dtype (a no-op for
+    fp32 kv), RoPE in fp32 on those values, the rotated dims rounded to kv's dtype again."""
+    def round_to_kv(x: torch.Tensor) -> torch.Tensor:
+        return x.to(kv.dtype).to(torch.float32)
+
+    return round_to_kv(apply_rope(round_to_kv(rms_norm(kv, norm_weight, norm_eps)), freq, positions))
 
 
 def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
                              norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                              out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
-                             use_fp4: bool = False, bf16_store: bool = False, num_q_tokens: int = -1) -> None:
+                             use_fp4: bool = False, bf16_store: bool = False, num_q_tokens: int = -1,
+                             layout="v4", fp8_2buff: bool = False, kvcache_rope: torch.Tensor | None = None) -> None:
     """RMSNorm + RoPE (+ Hadamard for hd 128) + quantize + scatter of compressed rows (contract §6).
 
     ``kv [N, hd]`` (fp32, bf16 or fp16) row i goes with plan row i (CompressPlan rows in prefill,
@@ -399,15 +387,28 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
     table of interleaved (cos, sin) is accepted as well). ``kvcache`` (2-D uint8, one page per row) is
     written in place, after every check; rows that are skipped write nothing. ``num_q_tokens`` (a
     prefill plan's record of the step's tokens; -1: none) is the least number of out_loc entries.
+
+    ``layout`` (a KVLayout or its name, any case) other than ``"v4"`` stores the 512-dim rows in that
+    V4.1 layout (the RMSNorm and rotated values rounded to kv's dtype, no Hadamard); ``fp8_2buff`` stores the V4 latent into ``kvcache`` (512 bytes a slot)
+    and ``kvcache_rope`` (``[pages · page_size, 128]`` uint8) instead.
     """
     rows = checked_store(kv, plan, is_decode=is_decode, compress_ratio=compress_ratio, norm_weight=norm_weight,
                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
-                         bf16_store=bf16_store, num_q_tokens=num_q_tokens)
+                         bf16_store=bf16_store, num_q_tokens=num_q_tokens, layout=layout, fp8_2buff=fp8_2buff,
+                         kvcache_rope=kvcache_rope)
     if rows.keep.numel() == 0:
         return
     # The op's wrapper casts the weight to kv's dtype before the fp32 math.
     weight = norm_weight.detach().to(kv.dtype)
-    values = norm_rope(kv.detach().cpu()[rows.keep], weight, norm_eps, rows.freq, rows.positions)
+    kv_rows = kv.detach().cpu()[rows.keep]
+    if rows.layout is not KVLayout.V4:
+        values = v41_values(kv_rows, weight, norm_eps, rows.freq, rows.positions)
+        write_layout(kvcache, rows.locs, values, page_size, rows.layout)
+        return
+    values = norm_rope(kv_rows, weight, norm_eps, rows.freq, rows.positions)
+    if rows.fp8_2buff:
+        write_v4_2buff(kvcache, kvcache_rope, rows.locs, values, page_size)
+        return
     if kv.shape[1] == INDEXER_HEAD_DIM:
         values = hadamard128(values)
     WRITERS[rows.fmt](kvcache, rows.locs, values, page_size)
