@@ -10,7 +10,7 @@ the calls will load. ``preload.FAMILIES`` lists them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import geometry
 
@@ -31,16 +31,23 @@ class ModelConfig:
     use_fp4: bool = False
     bf16_store: bool = False
     host: bool = False
+    layouts: Mapping[int, str] = field(default_factory=dict)  # ratio -> KVLayout value of its latent (else v4)
 
     def pairs(self) -> list[tuple[int, int]]:
         """(compress ratio, head_dim) of every compressor."""
         return [(ratio, hd) for ratio, dims in self.head_dims.items() for hd in dims]
 
-    def store_format(self, head_dim: int) -> str:
-        """The cache format of the rows of `head_dim`: use_fp4 applies to the indexer, bf16_store to the latent."""
+    def layout(self, ratio: int) -> str:
+        """The KVLayout value of the latent cache of the ratio's layers."""
+        return self.layouts.get(ratio, "v4")
+
+    def store_format(self, ratio: int, head_dim: int) -> str:
+        """The cache format of the rows of `head_dim` on the ratio's layers: use_fp4 applies to the
+        indexer, bf16_store and the layout to the latent."""
+        latent = head_dim == geometry.V4_HEAD_DIM
         return geometry.store_format(head_dim, use_fp4=self.use_fp4 and head_dim == geometry.INDEXER_HEAD_DIM,
-                                     bf16_store=self.bf16_store and head_dim == geometry.V4_HEAD_DIM,
-                                     head_dim_arg="head_dims")
+                                     bf16_store=self.bf16_store and latent,
+                                     layout=self.layout(ratio) if latent else "v4", head_dim_arg="head_dims")
 
 
 @dataclass(frozen=True)

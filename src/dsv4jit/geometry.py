@@ -70,19 +70,39 @@ def online_input_width(head_dim: int) -> int:
     return 2 * head_dim
 
 
-def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = False,
-                 head_dim_arg: str = "head_dim") -> str:
-    """The cache format the flags select for `head_dim` (contract §6.5): 512 the V4 latent, 128 the
-    indexer. `head_dim_arg` says where head_dim came from, for the message."""
+def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = False, layout: str = "v4",
+                 fp8_2buff: bool = False, head_dim_arg: str = "head_dim") -> str:
+    """The cache format the options select for rows of `head_dim` (contract §6.5, contract §10.3): 512 the
+    V4 latent (fp8, bf16 rows, or two pools), 128 the indexer, or a DeepSeek-V4.1 layout (`layout`, a
+    KVLayout value other than "v4": 512-dim rows and none of the V4 options). `head_dim_arg` says
+    where head_dim came from, for the message."""
+    if layout != "v4":
+        if head_dim != V4_HEAD_DIM:
+            raise ValueError(f"layout is {layout!r}, which stores 512-dim latent rows, got {head_dim_arg} {head_dim}")
+        for name, on in (("use_fp4", use_fp4), ("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
+            if on:
+                raise ValueError(f"{name} is an option of the v4 layout, got layout {layout!r}")
+        return layout
     if head_dim == V4_HEAD_DIM:
         if use_fp4:
             raise ValueError("use_fp4 needs the indexer head_dim 128, got head_dim 512")
-        return "v4_bf16" if bf16_store else "v4_fp8"
+        if fp8_2buff and bf16_store:
+            raise ValueError("fp8_2buff stores fp8 rows, not bf16_store's")
+        return "v4_fp8_2buff" if fp8_2buff else "v4_bf16" if bf16_store else "v4_fp8"
     if head_dim == INDEXER_HEAD_DIM:
-        if bf16_store:
-            raise ValueError("bf16_store needs head_dim 512, got head_dim 128")
+        for name, on in (("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
+            if on:
+                raise ValueError(f"{name} needs head_dim 512, got head_dim 128")
         return "indexer_fp4" if use_fp4 else "indexer_fp8"
     raise ValueError(f"{head_dim_arg} must be 512 or 128, got {head_dim}")
+
+
+def format_options(fmt: str) -> dict:
+    """The store options that select format `fmt` (store_format's inverse): use_fp4, bf16_store,
+    layout, fp8_2buff."""
+    _check_format(fmt)
+    return {"use_fp4": fmt == "indexer_fp4", "bf16_store": fmt == "v4_bf16",
+            "layout": fmt if fmt in V41_FORMATS else "v4", "fp8_2buff": fmt == "v4_fp8_2buff"}
 
 
 def format_head_dim(fmt: str) -> int:

@@ -21,6 +21,7 @@ from .family import ModelConfig
 from .jit import batch, loader
 from .jit.registry import Variant, unique
 from .jit.toolchain import Arch
+from .kv_layout import KVLayout
 from .ops import compress, fused, layer, online, online_mtp, store
 
 _OP = "warmup"
@@ -56,10 +57,21 @@ def _target(device, arch: Optional[str]) -> Arch:
     return loader.arch_for(device)
 
 
+def _layouts(layout, head_dims: Mapping[int, tuple[int, ...]]) -> dict[int, str]:
+    """ratio -> KVLayout value of its latent cache, from warmup's `layout`: one layout for every ratio,
+    or a mapping ratio -> layout (ratios it does not name: v4)."""
+    per_ratio = layout if isinstance(layout, Mapping) else dict.fromkeys(head_dims, layout)
+    try:
+        return {arguments.integer(_OP, "layout", ratio): KVLayout.parse(value).value for ratio, value in per_ratio.items()}
+    except ValueError as e:
+        raise arguments.reworded(_OP, e, ("layout",)) from None
+
+
 def variants(arch: Union[Arch, str], *, head_dims: Optional[Mapping[int, Iterable[int]]] = None,
              state_dtype: torch.dtype = torch.float32, input_dtype: torch.dtype = torch.float32,
              output_dtype: Optional[torch.dtype] = None, use_fp4: bool = False, bf16_store: bool = False,
-             ops: Iterable[str] = ("plan", "compress", "store")) -> list[Variant]:
+             layout: Union[str, Mapping[int, str]] = "v4", ops: Iterable[str] = ("plan", "compress", "store")
+             ) -> list[Variant]:
     """The variants `warmup` builds for `arch` (as warmup's ``arch`` takes it, e.g. ``"9.0a"``, or an
     `Arch`), with warmup's keyword arguments; the host target reaches the CPU planner only."""
     if not isinstance(arch, Arch):
@@ -75,7 +87,8 @@ def variants(arch: Union[Arch, str], *, head_dims: Optional[Mapping[int, Iterabl
         cfg = ModelConfig(dims, arguments.dtype_key(state_dtype, _OP, "state_dtype"),
                           arguments.dtype_key(input_dtype, _OP, "input_dtype"),
                           arguments.dtype_key(output_dtype or input_dtype, _OP, "output_dtype"),
-                          arguments.flag(_OP, "use_fp4", use_fp4), arguments.flag(_OP, "bf16_store", bf16_store))
+                          arguments.flag(_OP, "use_fp4", use_fp4), arguments.flag(_OP, "bf16_store", bf16_store),
+                          layouts=_layouts(layout, dims))
     try:
         return unique(runtime.variant(kernel, **params) for op in ops for kernel, params in FAMILIES[op].reach(cfg))
     except ValueError as e:  # a head_dim no kernel (or no store format) has
@@ -87,8 +100,9 @@ def variants(arch: Union[Arch, str], *, head_dims: Optional[Mapping[int, Iterabl
 def warmup(device: Union[torch.device, str, int, None] = None, *,
            head_dims: Optional[Mapping[int, Iterable[int]]] = None, state_dtype: torch.dtype = torch.float32,
            input_dtype: torch.dtype = torch.float32, output_dtype: Optional[torch.dtype] = None,
-           use_fp4: bool = False, bf16_store: bool = False, ops: Iterable[str] = ("plan", "compress", "store"),
-           arch: Optional[str] = None, jobs: Optional[int] = None) -> list[str]:
+           use_fp4: bool = False, bf16_store: bool = False, layout: Union[str, Mapping[int, str]] = "v4",
+           ops: Iterable[str] = ("plan", "compress", "store"), arch: Optional[str] = None,
+           jobs: Optional[int] = None) -> list[str]:
     """Compile (in parallel) and load every kernel variant a model configuration reaches.
 
     Call it once per process before CUDA-graph capture and before torch.compile tracing, so that no
@@ -105,6 +119,8 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
         compressed rows (default: the input dtype, as compress_forward allocates them).
     use_fp4, bf16_store: the store formats, as passed to compress_norm_rope_store (use_fp4 for the
         indexer, bf16_store for the latent).
+    layout: the KVLayout of the latent caches, as the ops take it: one for every ratio, or a mapping
+        ratio -> layout (DeepSeek-V4.1: e.g. ``{4: "v41", 128: "v41"}``; unnamed ratios: v4).
     ops: op families to cover: "plan", "compress", "store", "fused" (compress_and_store), "online"
         (compress_forward(is_online=True) for the c128 head dims), "fused_online"
         (compress_and_store(is_online=True), the c128 latent), "c4_layer"
@@ -122,7 +138,7 @@ def warmup(device: Union[torch.device, str, int, None] = None, *,
         jobs = arguments.integer(_OP, "jobs", jobs)
     target = _target(device, arch)
     todo = variants(target, head_dims=head_dims, state_dtype=state_dtype, input_dtype=input_dtype,
-                    output_dtype=output_dtype, use_fp4=use_fp4, bf16_store=bf16_store, ops=ops)
+                    output_dtype=output_dtype, use_fp4=use_fp4, bf16_store=bf16_store, layout=layout, ops=ops)
     _build_missing(todo, target, jobs)
     for v in todo:  # cache hits now: a dlopen each
         loader.load(v, target)

@@ -96,7 +96,9 @@ def test_variants_take_the_arch_as_warmup_does():
 #: family with the default formats and the fp4 indexer, bf16 state pools, and the bf16 latent cache.
 SERVING_CONFIGS = (dict(ops=tuple(FAMILIES)), dict(ops=tuple(FAMILIES), use_fp4=True),
                    dict(ops=("compress", "online", "fused_online", "online_mtp"), state_dtype=torch.bfloat16),
-                   dict(ops=("store",), bf16_store=True))
+                   dict(ops=("store",), bf16_store=True),
+                   dict(ops=("store", "fused", "c4_layer"), layout={4: "v41", 128: "v41"}),
+                   dict(ops=("c4_layer",), layout={4: "v41"}, use_fp4=True))
 
 
 @pytest.mark.usefixtures("jit_env")

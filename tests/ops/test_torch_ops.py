@@ -144,7 +144,7 @@ def test_opcheck(decode):
     num_q = -1 if decode else step.plan.num_q_tokens
     freq = torch.view_as_real(step.freq_cis).flatten(1)  # the ops take the real (cos, sin) table
     torch.library.opcheck(torch.ops.dsv4jit.norm_rope_store.default,
-                          (kv, step.plan[1], step.weight, freq, step.out_loc, step.kvcache,
+                          (kv, step.plan.plan_rows, step.weight, freq, step.out_loc, step.kvcache, None,
                            "indexer_fp8", step.page_size, 4, decode, 1e-6, num_q))
     torch.library.opcheck(torch.ops.dsv4jit.compress_and_store.default,
                           (step.state, step.x, step.ape, step.plan[1], plan_w, step.weight, freq,

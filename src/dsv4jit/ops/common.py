@@ -9,6 +9,7 @@ import torch
 
 from .. import arguments, geometry
 from ..arguments import FLOAT_DTYPES
+from ..kv_layout import KVLayout
 
 #: Fields of a plan a reference names as its own argument (``plan_w: write_loc must ...``).
 _PLAN_FIELDS = {name: "plan" for name in ("plan_c", "plan_w", "plan_d")}
@@ -51,13 +52,23 @@ def ape_as(op: str, ape: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ape if ape.dtype == dtype else ape.to(dtype)
 
 
-def store_format(op: str, head_dim: int, use_fp4: bool, bf16_store: bool, head_dim_arg: str) -> str:
-    """geometry.store_format, its error worded as op's (`head_dim_arg`: where head_dim came from,
-    ``head_dim`` or ``kv: head_dim (kv.shape[1])``)."""
+def layout_value(op: str, layout) -> str:
+    """The KVLayout value of `layout` (a KVLayout, or its name in any case); ValueError naming the argument."""
     try:
-        return geometry.store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store, head_dim_arg=head_dim_arg)
+        return KVLayout.parse(layout).value
     except ValueError as e:
-        raise arguments.reworded(op, e, ("use_fp4", "bf16_store", "head_dim", "kv")) from None
+        raise arguments.reworded(op, e, ("layout",)) from None
+
+
+def store_format(op: str, head_dim: int, use_fp4: bool, bf16_store: bool, head_dim_arg: str, layout: str = "v4",
+                 fp8_2buff: bool = False) -> str:
+    """geometry.store_format, its error worded as op's (`head_dim_arg`: where head_dim came from,
+    ``head_dim`` or ``kv: head_dim (kv.shape[1])``; `layout`: a KVLayout value)."""
+    try:
+        return geometry.store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store, layout=layout,
+                                     fp8_2buff=fp8_2buff, head_dim_arg=head_dim_arg)
+    except ValueError as e:
+        raise arguments.reworded(op, e, ("use_fp4", "bf16_store", "fp8_2buff", "layout", "head_dim", "kv")) from None
 
 
 def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from .. import arguments, geometry, library, runtime
 from ..family import Family, KernelChoice
-from ..geometry import row_width
+from ..geometry import RATIOS, row_width
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from ..reference import compress as ref_compress
 from . import binding, common, compressor, online
@@ -27,7 +27,7 @@ def kernel(compress_ratio: int, head_dim: int, state: str, input: str, output: s
 
 
 FAMILY = Family("compress", lambda cfg: [kernel(ratio, hd, cfg.state, cfg.input, cfg.output)
-                                          for ratio, hd in cfg.pairs()])
+                                          for ratio, hd in cfg.pairs() if ratio in RATIOS])
 
 
 def check_ratio(op: str, plan, compress_ratio: int, head_dim: int = 0, kv_score_input=None) -> None:

@@ -19,7 +19,7 @@ import torch
 from .. import arguments, library, runtime
 from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
-from ..geometry import V4_HEAD_DIM
+from ..geometry import RATIOS, V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from . import binding, common
 from .compress import RING, compress_op
@@ -116,9 +116,9 @@ def online_kernel(store_format: str, state: str) -> KernelChoice:
     return "fused_online", {"format": store_format, "state": state}
 
 
-FAMILY = Family("fused", lambda cfg: [kernel(ratio, cfg.store_format(hd), cfg.state, cfg.input)
-                                      for ratio, hd in cfg.pairs()])
-ONLINE_FAMILY = Family("fused_online", lambda cfg: [online_kernel(cfg.store_format(hd), cfg.state)
+FAMILY = Family("fused", lambda cfg: [kernel(ratio, cfg.store_format(ratio, hd), cfg.state, cfg.input)
+                                      for ratio, hd in cfg.pairs() if ratio in RATIOS])
+ONLINE_FAMILY = Family("fused_online", lambda cfg: [online_kernel(cfg.store_format(ONLINE_RATIO, hd), cfg.state)
                                                     for hd in cfg.head_dims.get(ONLINE_RATIO, ()) if hd == V4_HEAD_DIM])
 
 _FAST = runtime.call_cache()
@@ -128,7 +128,7 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
                        plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *, head_dim: int,
                        compress_ratio: int, norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                        out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, use_fp4: bool = False,
-                       bf16_store: bool = False, is_online: bool = False) -> None:
+                       bf16_store: bool = False, is_online: bool = False, layout: str = "v4") -> None:
     """compress_forward followed by compress_norm_rope_store, fused: the pooled rows go straight from
     registers to the cache and never reach memory. Same arguments as the two ops (the compressed rows
     take the input dtype, fp32 or bf16); caches and states are byte-identical to the two-step path.
@@ -139,31 +139,33 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     runs_fused), the call runs the two steps instead, every argument of both checked before the first
     launch.
     is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
+    layout: the cache's KVLayout (or its name, any case), as compress_norm_rope_store takes it; a
+    DeepSeek-V4.1 layout for 512-dim rows.
     Ring c128 calls on one plan share a scratch buffer kept with the plan: run them in stream order.
     """
     if (type(head_dim) is int and type(compress_ratio) is int and type(page_size) is int
             and type(norm_eps) is float and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
-            launch = _FAST[_fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer,
-                                     kv_score_input, ape, norm_weight)]
+            launch = _FAST[_fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout,
+                                     kv_score_buffer, kv_score_input, ape, norm_weight)]
             return launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc,
                           kvcache, page_size)
         except (KeyError, AttributeError, TypeError, ValueError):
             pass  # a new signature, or an error the full path explains
     return _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, norm_weight,
-                               norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online)
+                               norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online, layout)
 
 
-def _fast_key(plan, head_dim: int, compress_ratio: int, use_fp4: bool, bf16_store: bool, is_online: bool,
+def _fast_key(plan, head_dim: int, compress_ratio: int, use_fp4: bool, bf16_store: bool, is_online: bool, layout,
               buffer: torch.Tensor, inputs: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor) -> tuple:
     """What picks a call's launcher (freq_cis takes no part: the kernels read either form of the table
-    and check its dtype)."""
-    return (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, buffer.dtype, inputs.dtype,
-            ape.dtype, norm_weight.dtype, inputs.device)
+    and check its dtype; `layout` as given: a KVLayout hashes as its value)."""
+    return (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout, buffer.dtype,
+            inputs.dtype, ape.dtype, norm_weight.dtype, inputs.device)
 
 
 def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, norm_weight, norm_eps,
-                        freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online) -> None:
+                        freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online, layout) -> None:
     """compress_and_store with every check; remembers the call's launcher for the fast path."""
     op = _OP
     plan = as_plan(op, plan)
@@ -178,7 +180,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
     except (TypeError, AttributeError):  # locals() only here: torch.compile traces the happy path
         arguments.explain(op, locals(), _TENSORS)
         raise
-    fmt = common.store_format(op, head_dim, use_fp4, bf16_store, "head_dim")
+    fmt = common.store_format(op, head_dim, use_fp4, bf16_store, "head_dim", common.layout_value(op, layout))
     if (is_online or compress_ratio == 128) and head_dim != V4_HEAD_DIM:
         where = "is_online=True" if is_online else "compress_ratio 128"
         raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with {where} (the V4 cache formats), "
@@ -202,7 +204,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
             common.check_freq(op, freq_cis)))
     if not library.tracing() and kv_score_input.is_cuda and not runtime.checks_enabled():
-        key = _fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, kv_score_buffer,
+        key = _fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout, kv_score_buffer,
                         kv_score_input, ape, norm_weight)
         name, params = _choice(is_online, compress_ratio, fmt, kv_score_buffer, kv_score_input)
         fn = runtime.function(name, "run", kv_score_input.device, **params)
@@ -298,8 +300,8 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
         else:
             compress_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
                              is_decode, reads_state)
-        store_op.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, compress_ratio,
-                      is_decode, norm_eps, num_q_tokens)
+        store_op.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, None, store_format, page_size,
+                      compress_ratio, is_decode, norm_eps, num_q_tokens)
         return
     name, params = _choice(is_online, compress_ratio, store_format, kv_score_buffer, kv_score_input)
     fn = runtime.function(name, "run", device, **params)

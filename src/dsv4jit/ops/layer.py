@@ -35,8 +35,8 @@ def kernel(core_format: str, indexer_format: str, state: str, input: str) -> Ker
                               "input": input}
 
 
-FAMILY = Family("c4_layer", lambda cfg: [kernel(cfg.store_format(V4_HEAD_DIM), cfg.store_format(INDEXER_HEAD_DIM),
-                                                cfg.state, cfg.input)]
+FAMILY = Family("c4_layer", lambda cfg: [kernel(cfg.store_format(RATIO, V4_HEAD_DIM),
+                                                cfg.store_format(RATIO, INDEXER_HEAD_DIM), cfg.state, cfg.input)]
                 if {V4_HEAD_DIM, INDEXER_HEAD_DIM} <= set(cfg.head_dims.get(RATIO, ())) else [])
 
 _FAST = runtime.call_cache()
@@ -49,19 +49,21 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
                                 freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
                                 indexer_kvcache: torch.Tensor, indexer_out_loc: Optional[torch.Tensor] = None,
                                 indexer_page_size: Optional[int] = None, use_fp4: bool = False,
-                                bf16_store: bool = False) -> None:
+                                bf16_store: bool = False, layout: str = "v4") -> None:
     """``compress_and_store`` of a c4 layer's core compressor (head_dim 512: the first six tensors,
     V4 cache, ``bf16_store``) and of its indexer (head_dim 128: the ``indexer_*`` tensors, indexer
     cache, ``use_fp4``), both on the layer's c4 `plan`, with one rope table and norm epsilon.
     ``indexer_out_loc`` and ``indexer_page_size`` default to the core's. Decode is one launch;
     prefill two (both pool-and-store passes, then both state-ring write passes), or one where the
-    plan's pool passes read no state row (``plan.reads_state`` False)."""
+    plan's pool passes read no state row (``plan.reads_state`` False). ``layout``: the core cache's
+    KVLayout (or its name, any case), a DeepSeek-V4.1 layout included; the indexer cache keeps its
+    format."""
     indexer_out_loc = out_loc if indexer_out_loc is None else indexer_out_loc
     indexer_page_size = page_size if indexer_page_size is None else indexer_page_size
     if (type(page_size) is int and type(indexer_page_size) is int and type(norm_eps) is float
             and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
-            launch = _FAST[_fast_key(plan, use_fp4, bf16_store, kv_score_buffer, kv_score_input)]
+            launch = _FAST[_fast_key(plan, use_fp4, bf16_store, layout, kv_score_buffer, kv_score_input)]
             return launch(kv_score_buffer, kv_score_input, ape, norm_weight, out_loc, kvcache, page_size,
                           indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape, indexer_norm_weight,
                           indexer_out_loc, indexer_kvcache, indexer_page_size, plan, freq_cis, norm_eps)
@@ -73,12 +75,12 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
         indexer_kv_score_input=indexer_kv_score_input, indexer_ape=indexer_ape,
         indexer_norm_weight=indexer_norm_weight, indexer_out_loc=indexer_out_loc, indexer_kvcache=indexer_kvcache,
         indexer_page_size=indexer_page_size, plan=plan, freq_cis=freq_cis, norm_eps=norm_eps, use_fp4=use_fp4,
-        bf16_store=bf16_store))
+        bf16_store=bf16_store, layout=layout))
 
 
-def _fast_key(plan, use_fp4: bool, bf16_store: bool, buffer: torch.Tensor, inputs: torch.Tensor) -> tuple:
+def _fast_key(plan, use_fp4: bool, bf16_store: bool, layout, buffer: torch.Tensor, inputs: torch.Tensor) -> tuple:
     """What picks a call's launcher (the launcher converts ape and the weights, the kernel checks freq_cis)."""
-    return plan.__class__, use_fp4, bf16_store, buffer.dtype, inputs.dtype, inputs.device
+    return plan.__class__, use_fp4, bf16_store, layout, buffer.dtype, inputs.dtype, inputs.device
 
 
 def _layer(given: dict) -> None:
@@ -94,7 +96,8 @@ def _layer(given: dict) -> None:
     arguments.tensors(op, {name: g[name] for name in (*_CORE, *_INDEXER, "freq_cis")})
     if plan.compress_ratio != RATIO:
         raise ValueError(f"dsv4jit.{op}: argument 'plan' must be a c4 plan, got compress_ratio {plan.compress_ratio}")
-    core_format = common.store_format(op, V4_HEAD_DIM, False, g["bf16_store"], "head_dim")
+    core_format = common.store_format(op, V4_HEAD_DIM, False, g["bf16_store"], "head_dim",
+                                      common.layout_value(op, g["layout"]))
     indexer_format = common.store_format(op, INDEXER_HEAD_DIM, g["use_fp4"], False, "head_dim")
     dtype = g["kv_score_input"].dtype
     t = {name: g[name] for name in (*_CORE, *_INDEXER)}
@@ -111,7 +114,7 @@ def _layer(given: dict) -> None:
         same = {name for name in ("out_loc", "page_size") if g["indexer_" + name] is g[name]}
         raise _reworded(e, same) from None
     if not library.tracing() and g["kv_score_input"].is_cuda and not runtime.checks_enabled():
-        key = _fast_key(plan, g["use_fp4"], g["bf16_store"], g["kv_score_buffer"], g["kv_score_input"])
+        key = _fast_key(plan, g["use_fp4"], g["bf16_store"], g["layout"], g["kv_score_buffer"], g["kv_score_input"])
         name, params = _choice(core_format, indexer_format, g["kv_score_buffer"], g["kv_score_input"])
         _FAST[key] = _launcher(runtime.function(name, "run", g["kv_score_input"].device, **params), dtype)
 

@@ -9,8 +9,9 @@ from typing import Optional, Union
 
 import torch
 
-from .. import arguments, library, runtime
+from .. import arguments, geometry, library, runtime
 from ..arguments import STATE_DTYPES
+from ..geometry import RATIOS
 from ..family import Family, KernelChoice
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
 from ..reference import store as ref_store
@@ -24,7 +25,8 @@ def kernel(dtype: str, store_format: str) -> KernelChoice:
     return "store", {"dtype": dtype, "format": store_format}
 
 
-FAMILY = Family("store", lambda cfg: [kernel(cfg.output, cfg.store_format(hd)) for _, hd in cfg.pairs()])
+FAMILY = Family("store", lambda cfg: [kernel(cfg.output, cfg.store_format(ratio, hd))
+                                      for ratio, hd in cfg.pairs() if ratio in RATIOS])
 
 _FAST = runtime.call_cache()
 
@@ -41,51 +43,57 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Union[CompressorPrefillPlan
     token of the step); decode processes the rows at a compress boundary and stores at ``out_loc[b]``.
     kvcache: ``[num_pages, page_bytes]`` uint8 view of the paged cache; formats by head_dim and flags:
     512 -> V4 fp8 latent (or bf16 rows with bf16_store), 128 -> indexer fp8 (or fp4 with use_fp4).
+    layout (a KVLayout or its name, any case): a DeepSeek-V4.1 layout stores 512-dim rows in its encoding
+    instead (contract §10.3); fp8_2buff=True stores the V4 fp8 latent in two pools, the rope dims as bf16
+    rows of kvcache_rope ``[num_pages · page_size, 128]`` uint8.
     """
-    if (type(page_size) is int and type(norm_eps) is float and 0.0 < norm_eps < math.inf and layout == "v4"
-            and fp8_2buff is False and kvcache_rope is None and not library.tracing()):
+    if (type(page_size) is int and type(norm_eps) is float and 0.0 < norm_eps < math.inf
+            and not library.tracing()):
         try:
-            launch = _FAST[_fast_key(plan, use_fp4, bf16_store, kv, norm_weight)]
-            return launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size)
+            launch = _FAST[_fast_key(plan, use_fp4, bf16_store, layout, fp8_2buff, kv, norm_weight)]
+            return launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, kvcache_rope, page_size)
         except (KeyError, AttributeError, TypeError, ValueError, IndexError):
             pass  # a new signature, or an error the full path explains
     return _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4,
                                      bf16_store, layout, fp8_2buff, kvcache_rope)
 
 
-def _fast_key(plan, use_fp4: bool, bf16_store: bool, kv: torch.Tensor, norm_weight: torch.Tensor) -> tuple:
+def _fast_key(plan, use_fp4: bool, bf16_store: bool, layout, fp8_2buff: bool, kv: torch.Tensor,
+              norm_weight: torch.Tensor) -> tuple:
     """What picks a call's launcher (freq_cis takes no part: the kernel reads either form of the table
-    and checks its dtype)."""
-    return plan.__class__, use_fp4, bf16_store, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device
+    and checks its dtype; `layout` as given: a KVLayout hashes as its value)."""
+    return plan.__class__, use_fp4, bf16_store, layout, fp8_2buff, kv.dtype, kv.shape[1], norm_weight.dtype, kv.device
 
 
 def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4,
                               bf16_store, layout, fp8_2buff, kvcache_rope) -> None:
     """compress_norm_rope_store with every check; remembers the call's launcher for the fast path."""
     op = _OP
-    unavailable = [(name, value, only) for name, value, only, ok in (
-        ("layout", layout, "v4", layout == "v4"), ("fp8_2buff", fp8_2buff, False, not fp8_2buff),
-        ("kvcache_rope", kvcache_rope, None, kvcache_rope is None)) if not ok]
-    for name, value, only in unavailable[:1]:  # the V4 layout only (contract §9.5)
-        shown = type(value).__name__ if isinstance(value, torch.Tensor) else repr(value)
-        raise NotImplementedError(f"dsv4jit.{op}: argument '{name}' can only be {only!r} (the V4 layout), got {shown}")
     plan = as_plan(op, plan)
-    if type(page_size) is not int or type(use_fp4) is not bool or type(bf16_store) is not bool:
-        common.scalars(op, {"page_size": page_size}, {"use_fp4": use_fp4, "bf16_store": bf16_store})
+    if (type(page_size) is not int or type(use_fp4) is not bool or type(bf16_store) is not bool
+            or type(fp8_2buff) is not bool):
+        common.scalars(op, {"page_size": page_size}, {"use_fp4": use_fp4, "bf16_store": bf16_store,
+                                                       "fp8_2buff": fp8_2buff})
     eps = arguments.positive(op, "norm_eps", norm_eps)
+    layout_name = common.layout_value(op, layout)
     try:
         if kv.dim() != 2:
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
-        fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])")
+        fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])", layout_name,
+                                  fp8_2buff)
+        if (kvcache_rope is not None) != fp8_2buff:
+            raise ValueError(f"dsv4jit.{op}: argument 'kvcache_rope' must be "
+                             + ("the pool of the bf16 rope rows with fp8_2buff=True, got None" if fp8_2buff else
+                                "None without fp8_2buff (only the two-pool store has a rope pool), got a tensor"))
         weight = norm_weight if norm_weight.dtype == kv.dtype else norm_weight.to(kv.dtype)
-        store_op(kv, plan.plan_rows, weight, common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size,
-                 plan.compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens)
+        store_op(kv, plan.plan_rows, weight, common.freq_table(freq_cis), out_loc, kvcache, kvcache_rope, fmt,
+                 page_size, plan.compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens)
     except (ValueError, TypeError, AttributeError) as e:
-        common.public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), (),
+        common.public_error(op, e, locals(), ("kv", "norm_weight", "freq_cis", "out_loc", "kvcache"), ("kvcache_rope",),
                             lambda text: common.check_freq(op, freq_cis))
     if not library.tracing() and kv.is_cuda and not runtime.checks_enabled():
         name, params = kernel(common.dtype_name(kv, "kv", op, STATE_DTYPES), fmt)
-        _FAST[_fast_key(plan, use_fp4, bf16_store, kv, norm_weight)] = _launcher(
+        _FAST[_fast_key(plan, use_fp4, bf16_store, layout, fp8_2buff, kv, norm_weight)] = _launcher(
             runtime.function(name, "run", kv.device, **params), kv.dtype)
 
 
@@ -93,43 +101,43 @@ def _launcher(fn, dtype: torch.dtype):
     """The fast path's call of a resolved signature (the norm weight converted to the rows' dtype
     where it differs); it raises, before any launch, what the full path then explains."""
 
-    def launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size):
+    def launch(kv, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache, kvcache_rope, page_size):
         if norm_weight.dtype != dtype:
             norm_weight = norm_weight.to(dtype)
-        run_store(fn, kv, plan.plan_rows, norm_weight, freq_cis, out_loc, kvcache, None, page_size, plan.compress_ratio,
-                  plan.is_decode, norm_eps, plan.kernel_num_q_tokens)
+        run_store(fn, kv, plan.plan_rows, norm_weight, freq_cis, out_loc, kvcache, kvcache_rope, None, page_size,
+                  plan.compress_ratio, plan.is_decode, norm_eps, plan.kernel_num_q_tokens)
 
     return launch
 
 
 @binding.calls(("store",), "run")
-def run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio, is_decode,
-              norm_eps, num_q_tokens) -> None:
-    fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio, is_decode, norm_eps,
-       num_q_tokens)
+def run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, status, page_size, compress_ratio,
+              is_decode, norm_eps, num_q_tokens) -> None:
+    fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, status, page_size, compress_ratio, is_decode,
+       norm_eps, num_q_tokens)
 
 
-@library.custom_op("norm_rope_store", mutates_args=("kvcache",))
+@library.custom_op("norm_rope_store", mutates_args=("kvcache", "kvcache_rope"))
 def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
-             out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int,
-             compress_ratio: int, is_decode: bool, norm_eps: float, num_q_tokens: int) -> None:
+             out_loc: torch.Tensor, kvcache: torch.Tensor, kvcache_rope: Optional[torch.Tensor], store_format: str,
+             page_size: int, compress_ratio: int, is_decode: bool, norm_eps: float, num_q_tokens: int) -> None:
     """compress_norm_rope_store on unpacked plan rows (freq: the real (cos, sin) table; num_q_tokens -1:
-    not recorded by the plan)."""
-    device = common.cuda_device(kv, plan_rows, norm_weight, freq, out_loc, kvcache)
+    not recorded by the plan; kvcache_rope: the two-pool format's rope pool, else None)."""
+    device = common.cuda_device(kv, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope)
     if device is None:
         ref_store.compress_norm_rope_store(kv, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
                                            norm_weight=norm_weight, norm_eps=norm_eps,
                                            freq_cis=common.complex_freq(freq), out_loc=out_loc, kvcache=kvcache,
-                                           page_size=page_size, use_fp4=store_format == "indexer_fp4",
-                                           bf16_store=store_format == "v4_bf16", num_q_tokens=num_q_tokens)
+                                           page_size=page_size, num_q_tokens=num_q_tokens, kvcache_rope=kvcache_rope,
+                                           **geometry.format_options(store_format))
         return
     name, params = kernel(common.dtype_name(kv, "kv", _OP, STATE_DTYPES), store_format)  # contract §8.4
     fn = runtime.function(name, "run", device, **params)
     status = runtime.status_word(device)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
-    run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio, is_decode,
-              norm_eps, num_q_tokens)
+    run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, status, page_size, compress_ratio,
+              is_decode, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params)
 
 
@@ -146,5 +154,5 @@ def check_store(rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.
     before its compress step writes the state."""
     ref_store.checked_store(rows, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
                             norm_weight=norm_weight, freq_cis=common.complex_freq(freq), out_loc=out_loc,
-                            kvcache=kvcache, page_size=page_size, use_fp4=store_format == "indexer_fp4",
-                            bf16_store=store_format == "v4_bf16", num_q_tokens=num_q_tokens)
+                            kvcache=kvcache, page_size=page_size, num_q_tokens=num_q_tokens,
+                            **geometry.format_options(store_format))
