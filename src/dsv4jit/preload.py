@@ -22,7 +22,7 @@ from .jit import batch, loader
 from .jit.registry import Variant, unique
 from .jit.toolchain import Arch
 from .kv_layout import KVLayout
-from .ops import compress, fused, layer, online, online_mtp, store
+from .ops import c2_pool, compress, fused, layer, low_ratio, online, online_mtp, store
 
 _OP = "warmup"
 
@@ -33,9 +33,12 @@ MODEL_HEAD_DIMS: Mapping[int, tuple[int, ...]] = {4: (512, 128), 128: (512,)}
 #: "compress" (compress_forward), "store" (compress_norm_rope_store), "fused" (compress_and_store),
 #: "online" (compress_forward(is_online=True), the c128 layers), "fused_online"
 #: (compress_and_store(is_online=True), the c128 latent), "c4_layer" (compress_and_store_c4_layer),
-#: "online_mtp" (online c128's speculative-decoding ops), "compat" (dsv4jit.compat, the c4 layers).
+#: "online_mtp" (online c128's speculative-decoding ops), "compat" (dsv4jit.compat, the c4 layers),
+#: "low_ratio" (the DeepSeek-V4.1 ratio-1 and ratio-2 compressors), "c2_decode_pool" (ratio-2 decode
+#: pooling alone).
 FAMILIES = {f.name: f for f in (plan.FAMILY, compress.FAMILY, store.FAMILY, fused.FAMILY, online.FAMILY,
-                                fused.ONLINE_FAMILY, layer.FAMILY, online_mtp.FAMILY, compat.FAMILY)}
+                                fused.ONLINE_FAMILY, layer.FAMILY, online_mtp.FAMILY, compat.FAMILY, low_ratio.FAMILY,
+                                c2_pool.FAMILY)}
 
 
 def _target(device, arch: Optional[str]) -> Arch:

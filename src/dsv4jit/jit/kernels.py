@@ -96,8 +96,9 @@ STORE_PROBES = KernelSpec(
     name="store_probes",
     header="store/probes.cuh",
     params=(),
-    exports={"fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents"},
-    doc="test-only probes of the store's fp4 codecs and UE8M0 exponents over any fp32 inputs",
+    exports={"fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents",
+             "v41_codes": "dsv4::store::v41_codes"},
+    doc="test-only probes of the store's fp4 codecs, UE8M0 exponents and V4.1 codes over any fp32 inputs",
 )
 
 
@@ -182,6 +183,44 @@ FUSED_ONLINE = KernelSpec(
     doc="online c128 + RMSNorm + RoPE + quantize + paged store in one kernel (head_dim 512, fp32 rows)",
 )
 
+#: The latent caches of the ratio-1 and ratio-2 compressors: v4 (fp8) and the V4.1 layouts.
+_LOW_RATIO = tuple(f for f in _LATENT if f != "v4_bf16")
+LOW_RATIO_FORMAT = Param("format", "enum", _LOW_RATIO, tuple(_FORMAT_CPP[STORE_FORMATS.index(f)] for f in _LOW_RATIO))
+#: What a DeepSeek-V4.1 serving step stores ratio-1 / ratio-2 rows as by default beside a v41 main cache: the
+#: fp4 encoding (contract §10.1); v4 beside a V4 main cache.
+_LOW_RATIO_SERVING = ("v41_fp4", "v4_fp8")
+
+C1 = KernelSpec(
+    name="c1",
+    header="lowratio/c1.cuh",
+    params=(LOW_RATIO_FORMAT, PDL),
+    exports={"run": "dsv4::lowratio::C1Entry<{format}, {pdl}>::run",
+             "describe_status": "dsv4::lowratio::describe_status"},
+    serving=tuple({"format": f} for f in _LOW_RATIO_SERVING),
+    doc="ratio-1 compressor: RMSNorm latent, RoPE, paged store of every row (decode and extend)",
+)
+
+C2 = KernelSpec(
+    name="c2",
+    header="lowratio/c2.cuh",
+    params=(LOW_RATIO_FORMAT, PDL),
+    exports={"decode": "dsv4::lowratio::C2Entry<{format}, {pdl}>::decode",
+             "prefill": "dsv4::lowratio::C2Entry<{format}, {pdl}>::prefill",
+             "describe_status": "dsv4::lowratio::describe_status"},
+    serving=tuple({"format": f} for f in _LOW_RATIO_SERVING),
+    doc="ratio-2 compressor: pair pooling with the pair ring, RMSNorm latent, RoPE, paged store",
+)
+
+C2_POOL = KernelSpec(
+    name="c2_pool",
+    header="lowratio/c2_pool.cuh",
+    params=(PDL,),
+    exports={"run": "dsv4::lowratio::C2PoolEntry<{pdl}>::run",
+             "describe_status": "dsv4::lowratio::describe_pool_status"},
+    serving=({},),
+    doc="ratio-2 decode pair pooling alone (pooled rows, group positions, slots)",
+)
+
 SPECS: dict[str, KernelSpec] = {s.name: s for s in (SELFTEST, PLAN, PLAN_HOST, COMPRESS_C4, COMPRESS_C128, STORE,
                                                     STORE_PROBES, FUSED, C4_LAYER, COMPAT_C4, COMPRESS_ONLINE, ONLINE_MTP,
-                                                    FUSED_ONLINE)}
+                                                    FUSED_ONLINE, C1, C2, C2_POOL)}

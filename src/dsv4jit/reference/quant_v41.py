@@ -44,7 +44,7 @@ def e2m1rn_encode(u) -> torch.Tensor:
     """
     u = torch.as_tensor(u, dtype=torch.float32)
     mag = u.abs()
-    idx = torch.zeros(u.shape, dtype=torch.int64)
+    idx = torch.zeros_like(u, dtype=torch.int64)
     for k, mid in enumerate(E2M1_MIDPOINTS):
         # On a midpoint, an odd lower code k goes up to the even k + 1.
         idx += ((mag >= mid) if k % 2 else (mag > mid)).to(torch.int64)

@@ -160,6 +160,15 @@ class Check {
     return *this;
   }
 
+  /// A 2-D tensor of contiguous rows (column stride 1, row stride at least the row's width): a view of
+  /// some columns of wider rows, such as one half of the ratio-2 pair ring.
+  Check& contiguous_rows() {
+    if (t_.ndim() != 2 || t_.stride(1) != 1 || t_.stride(0) < t_.size(1)) {
+      fail_value("must be 2-D with contiguous rows (column stride 1, row stride >= its width)");
+    }
+    return *this;
+  }
+
   Check& aligned(int bytes = 16) {
     if (reinterpret_cast<uintptr_t>(t_.data_ptr()) % bytes != 0) {
       fail_value("data pointer must be " + std::to_string(bytes) + "-byte aligned");

@@ -1,5 +1,6 @@
 // Test-only probes of the store's codecs (the store_probes module, outside the serving set): the
-// e2m1 codes of both fp4 codecs and the division-free UE8M0 exponents, over any fp32 inputs, for
+// e2m1 codes of both fp4 codecs, the division-free UE8M0 exponents and the DeepSeek-V4.1 codes (e2m1
+// with ties to even, the tile exponent and the two fp4 tile scales), over any fp32 inputs, for
 // checking them against the reference rules on every bit pattern.
 #pragma once
 
@@ -22,17 +23,17 @@ using tvm::ffi::TensorView;
 template <typename Probe, typename Out>
 __global__ void probe_kernel(const float* __restrict__ x, Out* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    Probe::apply(x[i], out + 2 * i);
+    Probe::apply(x[i], out + Probe::kOutputs * i);
   }
 }
 
-/// Runs Probe over x fp32 [n] into out [n, 2] (`x_name`: the input's name in errors).
+/// Runs Probe over x fp32 [n] into out [n, Probe::kOutputs] (`x_name`: the input's name in errors).
 template <typename Probe, typename Out>
 void run_probe(const char* op, const char* x_name, TensorView x, TensorView out) {
   Size n{"n"};
   Device dev;
   Check(op, x_name, x).shape({n}).dtype(dl::kF32).cuda(dev).contiguous();
-  Check(op, "out", out).shape({n, 2}).dtype(DTypeInfo<Out>::dtype).cuda(dev).contiguous();
+  Check(op, "out", out).shape({n, Probe::kOutputs}).dtype(DTypeInfo<Out>::dtype).cuda(dev).contiguous();
   launch(op, dev.dev, {std::min(div_ceil(n.value, 256), 4096u), 256}, false, probe_kernel<Probe, Out>,
          static_cast<const float*>(x.data_ptr()), static_cast<Out*>(out.data_ptr()), n.value);
 }
@@ -40,6 +41,7 @@ void run_probe(const char* op, const char* x_name, TensorView x, TensorView out)
 /// The e2m1 code pair (x, x) the fp4 stores write for already-scaled values: by fp4_code, by its
 /// table.
 struct Fp4CodesProbe {
+  static constexpr int kOutputs = 2;
   static DSV4_DEV void apply(float x, uint8_t* out) {
     out[0] = static_cast<uint8_t>(fp4_code_pair(x, x));
     out[1] = static_cast<uint8_t>(kFp4Codes.pair(x, x));
@@ -49,11 +51,31 @@ struct Fp4CodesProbe {
 /// UE8M0 exponents by the division-free rule for a group's largest magnitude: amax / 6 (the fp4
 /// groups' scale) and amax / 448 (the V4 tiles' divisor, which the fused kernels keep as a division).
 struct ScaleExponentsProbe {
+  static constexpr int kOutputs = 2;
   static DSV4_DEV void apply(float amax, int32_t* out) {
     out[0] = ue8m0_scale_exponent<6>(amax);
     out[1] = ue8m0_scale_exponent<448>(amax);
   }
 };
+
+/// The V4.1 codes of x (contract §10.2): the e2m1 code pair (x, x) with ties to even (the target's
+/// conversion: in software on sm_90a), and for |x| as a tile's largest magnitude the v41 tile exponent,
+/// the v41_fp4 scale code and the fake quant's scale code.
+struct V41CodesProbe {
+  static constexpr int kOutputs = 4;
+  static DSV4_DEV void apply(float x, int32_t* out) {
+    const float amax = fabsf(x);
+    out[0] = static_cast<int32_t>(e2m1_rn_pair(x, x));
+    out[1] = v41_tile_exponent(amax);
+    out[2] = static_cast<int32_t>(v41_fp4_scale_code(amax));
+    out[3] = static_cast<int32_t>(fp4_fake_quant_scale_code(amax));
+  }
+};
+
+/// x fp32 [n] -> out int32 [n, 4]: V41CodesProbe.
+inline void v41_codes(TensorView x, TensorView out) {
+  run_probe<V41CodesProbe, int32_t>("store_probes.v41_codes", "x", x, out);
+}
 
 /// x fp32 [n] -> out u8 [n, 2]: Fp4CodesProbe, for checking both codecs against the reference rule.
 inline void fp4_codes(TensorView x, TensorView out) {

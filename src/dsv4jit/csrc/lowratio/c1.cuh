@@ -1,0 +1,61 @@
+// c1_decode_norm_rope_store (contract §10.4): the ratio-1 compressor. Every row (decode and extend
+// alike) is its own compressed token: its RMSNorm is the bf16 latent, written to `out` for every
+// row (padded rows too), and stored at the row's full slot out_loc (page 256 in serving) with RoPE
+// at the row's position, unless out_loc <= 0 (a padded row). One launch, a warp per row.
+#pragma once
+
+#include "common/pdl.cuh"
+#include "entry.h"
+#include "row.cuh"
+
+namespace dsv4::lowratio {
+
+template <store::Format F, bool kPDL>
+__global__ __launch_bounds__(kWarpsPerBlock * kWarpSize) void c1_kernel(const __grid_constant__ Params p) {
+  const int j = threadIdx.x % kWarpSize;
+  const uint32_t row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  Lanes w;
+  load_weight(p, j, w);
+  pdl_wait_upstream<kPDL>();
+  if (row >= p.rows) return;
+  const int64_t position = entry(p.positions, p.pos64, row), loc = entry(p.locs, p.loc64, row);
+  Lanes x;
+  const bf16_t* kv = static_cast<const bf16_t*>(p.kv) + uint64_t{row} * kHeadDim;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const Vec<bf16_t, 4> v = load_vec<4>(kv + 128 * k + 4 * j);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x[k][c] = to_f32(v[c]);
+  }
+  const Vec<float, 4> rope = load_rope(p, j, position);
+  pdl_launch_dependents<kPDL>();
+  normalize_latent(p, x, w);
+  write_out(p, row, j, x);
+  if (loc <= 0 || !storable(p, loc, position)) return;
+  store_latent<F>(p, j, loc, rope, x);
+}
+
+template <store::Format F, bool kPDL>
+struct C1Entry {
+  static_assert(!store::Layout<F>::kIndexer && F != store::Format::kV4Bf16 && F != store::Format::kV4TwoPool,
+                "a latent cache: v4 (fp8) or a V4.1 layout");
+
+  /// kv_input [N, 512] bf16 (the raw wkv rows); norm_weight [512] bf16; positions, out_loc [N] int32 or
+  /// int64; freqs_cis fp32 [max_pos, 64] (or complex64 [max_pos, 32]); k_cache u8 [pages, page_bytes];
+  /// out [N, 512] bf16.
+  static void run(TensorView kv_input, TensorView norm_weight, TensorView positions, TensorView out_loc,
+                  TensorView freqs_cis, TensorView k_cache, TensorView out, Optional<TensorView> status,
+                  int64_t page_size, double eps) {
+    const char* op = "c1_decode_norm_rope_store";
+    Device dev;
+    Size rows{"num_tokens"};
+    Check(op, "kv_input", kv_input).shape({rows, kHeadDim}).dtype(dl::kBF16).cuda(dev).contiguous().aligned();
+    Params p = checked<F>(op, dev, rows, norm_weight, positions, out_loc, "out_loc", freqs_cis, k_cache, out, status,
+                          page_size, eps);
+    p.kv = kv_input.data_ptr();
+    if (p.rows == 0) return;
+    launch(op, dev.dev, {blocks_for(p.rows), kWarpsPerBlock * kWarpSize}, kPDL, c1_kernel<F, kPDL>, p);
+  }
+};
+
+}  // namespace dsv4::lowratio

@@ -1,0 +1,258 @@
+// c2_decode_norm_rope_store and c2_prefill_norm_rope_store (contract §10.4): the ratio-2 compressor.
+// Positions pair as (2k, 2k + 1); the odd row closes its pair: it pools with its partner (position
+// p - 1), and the pair's latent is stored at raw_out_loc >> 1 (page 128 in serving) with RoPE at
+// p - 1. A partner that is not the row before it in the batch comes from the pair ring kv_state, one
+// | kv | score | row per (request slot, position mod ring_size). Rows with raw_out_loc 0 are padding.
+//
+//   decode / verify   a warp per row; an even row parks its input row in the ring; an odd row's
+//                     partner is the row before it inside its block of draft_len rows, else the
+//                     ring (ring_size > draft_len: no even row of a block overwrites a partner that
+//                     the block's first row reads)
+//   prefill           a warp per row pools the odd rows whose partner is the row before them, and a
+//                     warp per request pools its first row if that row's partner is in the ring, then
+//                     writes back the request's last min(len, ring_size) rows into the ring: after the
+//                     one read this step makes of them, in the same warp (so one launch)
+//
+// Pooling, per channel: d = s_o - s_n, e = exp(-|d|) (fp64, rounded once), (w_o, w_n) = d > 0 ? (1, e)
+// : (e, 1), pooled = (kv_o · w_o + kv_n · w_n) / (1 + e), each operation rounded once; the latent is
+// the RMSNorm of bf(pooled) (row.cuh).
+#pragma once
+
+#include "common/pdl.cuh"
+#include "entry.h"
+#include "row.cuh"
+
+namespace dsv4::lowratio {
+
+/// Lane j's kv and score values of a | kv | score | row.
+struct PairLanes {
+  Lanes kv, score;
+};
+
+DSV4_DEV void load_pair_row(const float* row, int j, PairLanes& v) {
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const Vec<float, 4> kv = load_vec<4>(row + 128 * k + 4 * j), sc = load_vec<4>(row + kHeadDim + 128 * k + 4 * j);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v.kv[k][c] = kv[c], v.score[k][c] = sc[c];
+  }
+}
+
+/// Copies lane j's part of a | kv | score | row (the same lanes and channels as load_pair_row).
+DSV4_DEV void copy_pair_row(const float* from, float* to, int j) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int at = half * kHeadDim + 128 * k + 4 * j;
+      store_vec(to + at, load_vec<4>(from + at));
+    }
+  }
+}
+
+/// The pooled pair (partner `o`, own `n`), in o.kv, rounded to bf16 (the latent's input).
+DSV4_DEV void pool_pair(PairLanes& o, const PairLanes& n) {
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float d = __fsub_rn(o.score[k][c], n.score[k][c]);
+      const float e = static_cast<float>(exp(-static_cast<double>(fabsf(d))));
+      const float w_o = d > 0.0f ? 1.0f : e, w_n = d > 0.0f ? e : 1.0f;
+      const float pooled = __fdiv_rn(__fadd_rn(__fmul_rn(o.kv[k][c], w_o), __fmul_rn(n.kv[k][c], w_n)),
+                                     __fadd_rn(1.0f, e));
+      o.kv[k][c] = to_f32(from_f32<bf16_t>(pooled));
+    }
+  }
+}
+
+/// A row's request slot, position and full slot (raw_out_loc).
+struct RowMeta {
+  int64_t rid, position, raw;
+};
+
+DSV4_DEV RowMeta meta(const Params& p, uint64_t row) {
+  return {p.req[row], entry(p.positions, p.pos64, row), entry(p.locs, p.loc64, row)};
+}
+
+/// The ring row of (rid, position), or -1 (reported) outside kv_state or for a negative position.
+DSV4_DEV int64_t ring_row(const Params& p, int64_t rid, int64_t position) {
+  if (position < 0) {
+    report(p, kPositionOutOfRange);
+    return -1;
+  }
+  const int64_t r = rid * p.ring_size + position % p.ring_size;
+  if (rid < 0 || r >= p.ring_rows) {
+    report(p, kRingRowOutOfRange);
+    return -1;
+  }
+  return r;
+}
+
+DSV4_DEV const float* input_row(const Params& p, uint64_t row) { return static_cast<const float*>(p.kv) + row * kPairRow; }
+
+/// Pools odd row `row` (meta `m`) with the partner row at `partner`, writes its latent to out and
+/// stores it. Every lane of the warp calls it.
+template <store::Format F>
+DSV4_DEV void close_pair(const Params& p, uint32_t row, int j, const RowMeta& m, const float* partner,
+                         const Lanes& w) {
+  PairLanes o, n;
+  load_pair_row(partner, j, o);
+  load_pair_row(input_row(p, row), j, n);
+  const Vec<float, 4> rope = load_rope(p, j, m.position - 1);
+  pool_pair(o, n);
+  normalize_latent(p, o.kv, w);
+  write_out(p, row, j, o.kv);
+  const int64_t loc = m.raw >> 1;
+  if (storable(p, loc, m.position - 1)) store_latent<F>(p, j, loc, rope, o.kv);
+}
+
+/// Decode and target verify: a warp per row.
+template <store::Format F, bool kPDL>
+__global__ __launch_bounds__(kWarpsPerBlock * kWarpSize) void c2_decode_kernel(const __grid_constant__ Params p) {
+  const int j = threadIdx.x % kWarpSize;
+  const uint32_t row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  Lanes w;
+  load_weight(p, j, w);
+  pdl_wait_upstream<kPDL>();
+  if (row >= p.rows) return;
+  const RowMeta m = meta(p, row);
+  pdl_launch_dependents<kPDL>();
+  if (m.raw == 0) return;  // a padded row
+  if (m.position % 2 == 0) {  // parks its row for the odd row of a later step (or of its block)
+    const int64_t r = ring_row(p, m.rid, m.position);
+    if (r >= 0) copy_pair_row(input_row(p, row), p.ring + r * kPairRow, j);
+    return;
+  }
+  const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
+  const int64_t r = in_block ? 0 : ring_row(p, m.rid, m.position - 1);
+  if (r < 0) return;
+  close_pair<F>(p, row, j, m, in_block ? input_row(p, row - 1) : p.ring + r * kPairRow, w);
+}
+
+/// Whether `row`'s partner is the row before it: the same request, position - 1, not padding.
+DSV4_DEV bool partner_before(const Params& p, uint32_t row, const RowMeta& m) {
+  if (row == 0) return false;
+  const RowMeta before = meta(p, row - 1);
+  return before.raw != 0 && before.rid == m.rid && before.position == m.position - 1;
+}
+
+/// Whether some request's rows start at `row` (every lane calls it).
+DSV4_DEV bool starts_a_request(const Params& p, uint32_t row) {
+  bool found = false;
+  for (uint32_t base = 0; base < p.num_reqs; base += kWarpSize) {
+    const uint32_t i = base + threadIdx.x % kWarpSize;
+    found |= i < p.num_reqs && p.extend_len[i] > 0 && static_cast<uint32_t>(p.extend_start[i]) == row;
+  }
+  return __any_sync(kFullMask, found);
+}
+
+/// Prefill: warps [0, rows) a row each, then a warp per request (after the row warps' blocks).
+template <store::Format F, bool kPDL>
+__global__ __launch_bounds__(kWarpsPerBlock * kWarpSize) void c2_prefill_kernel(const __grid_constant__ Params p) {
+  const int j = threadIdx.x % kWarpSize;
+  const uint32_t row_blocks = (p.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  Lanes w;
+  load_weight(p, j, w);
+  pdl_wait_upstream<kPDL>();
+  pdl_launch_dependents<kPDL>();
+  if (blockIdx.x < row_blocks) {
+    const uint32_t row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+    if (row >= p.rows) return;
+    const RowMeta m = meta(p, row);
+    if (m.raw == 0 || m.position % 2 == 0) return;
+    if (partner_before(p, row, m)) {
+      close_pair<F>(p, row, j, m, input_row(p, row - 1), w);
+      return;
+    }
+    if (starts_a_request(p, row)) return;  // its request's warp pools it before the write-back
+    const int64_t r = ring_row(p, m.rid, m.position - 1);
+    if (r >= 0) close_pair<F>(p, row, j, m, p.ring + r * kPairRow, w);
+    return;
+  }
+  const uint32_t i = (blockIdx.x - row_blocks) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  if (i >= p.num_reqs) return;
+  const int64_t start = p.extend_start[i], len = p.extend_len[i];
+  if (len <= 0 || start < 0 || start + len > p.rows) return;
+  const RowMeta first = meta(p, start);
+  if (first.raw != 0 && first.position % 2 == 1 && !partner_before(p, start, first)) {
+    const int64_t r = ring_row(p, first.rid, first.position - 1);
+    if (r >= 0) close_pair<F>(p, start, j, first, p.ring + r * kPairRow, w);
+  }
+  for (int64_t k = len > p.ring_size ? len - p.ring_size : 0; k < len; ++k) {  // the write-back
+    const RowMeta m = meta(p, start + k);
+    if (m.raw == 0) continue;
+    const int64_t r = ring_row(p, m.rid, m.position);
+    if (r >= 0) copy_pair_row(input_row(p, start + k), p.ring + r * kPairRow, j);
+  }
+}
+
+template <store::Format F, bool kPDL>
+struct C2Entry {
+  static_assert(!store::Layout<F>::kIndexer && F != store::Format::kV4Bf16 && F != store::Format::kV4TwoPool,
+                "a latent cache: v4 (fp8) or a V4.1 layout");
+
+  /// The checks decode and prefill share: kv_input [N, 1024] fp32, kv_state [ring rows, 1024] fp32, req
+  /// [N] int64, ring_size > 0, and those of checked().
+  static Params common(const char* op, Device& dev, const TensorView& kv_input, const TensorView& kv_state,
+                       const TensorView& norm_weight, const TensorView& positions, const TensorView& req,
+                       const TensorView& raw_out_loc, const TensorView& freqs_cis, const TensorView& k_cache,
+                       const TensorView& out, const Optional<TensorView>& status, int64_t page_size,
+                       int64_t ring_size, double eps) {
+    Size rows{"num_tokens"}, ring_rows{"ring_rows"};
+    Check(op, "kv_input", kv_input).shape({rows, kPairRow}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+    Params p = checked<F>(op, dev, rows, norm_weight, positions, raw_out_loc, "raw_out_loc", freqs_cis, k_cache, out,
+                          status, page_size, eps);
+    Check(op, "kv_state", kv_state).shape({ring_rows, kPairRow}).dtype(dl::kF32).cuda(dev).contiguous().aligned();
+    Check(op, "req", req).shape({rows}).dtype(dl::kI64).cuda(dev).contiguous();
+    expect(ring_size > 0, op, "ring_size", "> 0", ring_size);
+    p.kv = kv_input.data_ptr();
+    p.ring = static_cast<float*>(kv_state.data_ptr());
+    p.req = static_cast<const int64_t*>(req.data_ptr());
+    p.ring_rows = ring_rows.value;
+    p.ring_size = static_cast<int32_t>(ring_size);
+    return p;
+  }
+
+  static void decode(TensorView kv_input, TensorView kv_state, TensorView norm_weight, TensorView positions,
+                     TensorView req, TensorView raw_out_loc, TensorView freqs_cis, TensorView k_cache, TensorView out,
+                     Optional<TensorView> status, int64_t page_size, int64_t ring_size, int64_t draft_len, double eps) {
+    const char* op = "c2_decode_norm_rope_store";
+    Device dev;
+    Params p = common(op, dev, kv_input, kv_state, norm_weight, positions, req, raw_out_loc, freqs_cis, k_cache, out,
+                      status, page_size, ring_size, eps);
+    expect(draft_len >= 1, op, "draft_len", ">= 1", draft_len);
+    if (draft_len > 1) {
+      expect(p.rows % draft_len == 0, op, "kv_input", [&] {
+        return "a whole number of blocks of draft_len (" + std::to_string(draft_len) + ") rows";
+      }, p.rows);
+      expect(ring_size > draft_len, op, "ring_size", [&] { return "> draft_len (" + std::to_string(draft_len) + ")"; },
+             ring_size);
+    }
+    p.draft_len = static_cast<int32_t>(draft_len);
+    if (p.rows == 0) return;
+    launch(op, dev.dev, {blocks_for(p.rows), kWarpsPerBlock * kWarpSize}, kPDL, c2_decode_kernel<F, kPDL>, p);
+  }
+
+  static void prefill(TensorView kv_input, TensorView kv_state, TensorView norm_weight, TensorView positions,
+                      TensorView req, TensorView raw_out_loc, TensorView freqs_cis, TensorView k_cache,
+                      TensorView extend_start_loc, TensorView extend_seq_lens, TensorView out,
+                      Optional<TensorView> status, int64_t page_size, int64_t ring_size, double eps) {
+    const char* op = "c2_prefill_norm_rope_store";
+    Device dev;
+    Params p = common(op, dev, kv_input, kv_state, norm_weight, positions, req, raw_out_loc, freqs_cis, k_cache, out,
+                      status, page_size, ring_size, eps);
+    Size reqs{"num_reqs"};
+    Check(op, "extend_start_loc", extend_start_loc).shape({reqs}).dtype(dl::kI32).cuda(dev).contiguous();
+    Check(op, "extend_seq_lens", extend_seq_lens).shape({reqs}).dtype(dl::kI32).cuda(dev).contiguous();
+    p.extend_start = static_cast<const int32_t*>(extend_start_loc.data_ptr());
+    p.extend_len = static_cast<const int32_t*>(extend_seq_lens.data_ptr());
+    p.num_reqs = static_cast<uint32_t>(reqs.value);
+    p.draft_len = 1;
+    if (p.rows == 0) return;
+    launch(op, dev.dev, {blocks_for(p.rows) + blocks_for(p.num_reqs), kWarpsPerBlock * kWarpSize}, kPDL,
+           c2_prefill_kernel<F, kPDL>, p);
+  }
+};
+
+}  // namespace dsv4::lowratio
