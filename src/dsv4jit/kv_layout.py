@@ -1,4 +1,4 @@
-"""The paged KV cache layouts of the DeepSeek-V4 family, with the names of sglang 0.5.23.
+"""The paged KV cache layouts of the DeepSeek-V4 family and their names (contract §10.1).
 
 A layout fixes, per token, its data bytes (value codes), its scale bytes (one scale per tile of
 values) and their arrangement in a page:
@@ -39,7 +39,7 @@ _FACTS = {
 
 
 class KVLayout(str, enum.Enum):
-    """A paged KV cache layout; a ``str`` whose value is sglang's name (``"v41"``)."""
+    """A paged KV cache layout; a ``str`` whose value is the layout's name (``"v41"``, contract §10.1)."""
 
     V4 = "v4"
     V41 = "v41"
@@ -128,7 +128,7 @@ class KVLayout(str, enum.Enum):
 def is_valid_kv_layout_pair(kv, extra_kv) -> bool:
     """Whether a main cache in layout ``kv`` and an extra compressed cache in ``extra_kv`` can be read
     together: identical layouts, or an fp4-encoded extra cache beside a ``v41``-encoded main cache of
-    the same arrangement, as sglang's decode reader accepts them."""
+    the same arrangement (contract §10.1)."""
     kv, extra_kv = KVLayout.parse(kv), KVLayout.parse(extra_kv)
     return extra_kv is kv or (kv.encoding is KVLayout.V41 and extra_kv.is_fp4
                                and kv.is_interleaved == extra_kv.is_interleaved)

@@ -1,5 +1,5 @@
-"""Paged writers and readers of the KV layouts (``dsv4jit.kv_layout``; ``v4`` is contract §6.7) and of the
-V4 two-pool store (``fp8_2buff``), for ``[n, 512]`` fp32 rows.
+"""Paged writers and readers of the KV layouts (contract §10.1; ``v4`` is contract §6.7) and of the
+V4 two-pool store (``fp8_2buff``, contract §10.3), for ``[n, 512]`` fp32 rows.
 
 ``write_layout`` encodes each row with its layout's row codec (``v4`` below, the V4.1 ones in
 ``quant_v41``) and scatters its data and scale bytes to the slot's addresses (``KVLayout.row_addressing``:

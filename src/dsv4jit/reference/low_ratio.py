@@ -1,5 +1,5 @@
-"""Pure-torch reference of the DeepSeek-V4.1 ratio-1 and ratio-2 compressors of sglang 0.5.23: the CPU
-backend of the ops and the oracle of their GPU tests, with sglang's names and signatures.
+"""Pure-torch reference of the DeepSeek-V4.1 ratio-1 and ratio-2 compressors (contract §10.4, contract §10.5):
+the CPU backend of the ops and the oracle of their GPU tests.
 
 * ``c1_decode_norm_rope_store``: each row's RMSNorm is its latent (ratio 1: every token produces one),
   stored at the row's own full slot ``out_loc`` in a page-256 pool.
@@ -8,10 +8,10 @@ backend of the ops and the oracle of their GPU tests, with sglang's names and si
   (page 128) with RoPE position ``p − 1``. Partners come from the previous input row or from the pair
   ring ``kv_state`` (one ``| kv | score |`` row per ``(request, pos mod ring_size)``), which even rows
   fill (decode, verify) or a write-back pass fills after all reads (prefill).
-* ``c2_decode_pool``: the non-fused decode pooling (sglang's Triton kernel), pooled values only.
+* ``c2_decode_pool``: the pair pooling of a decode step alone, pooled values only.
 
 The arithmetic, which the GPU kernels reproduce (operations in this order, each rounded to fp32 once,
-no fused multiply-add):
+no fused multiply-add; where they may differ: contract §10.7):
 
 * RMSNorm as ``store.rms_norm``, then bf16: ``L = bf((x · r) · w)``, ``w`` the bf16 weight widened; the
   sum of squares is exact, rounded once (a kernel's fp32 reduction order may move it by an ulp).
@@ -163,7 +163,7 @@ def store_latents(cache: torch.Tensor, locs: torch.Tensor, latents: torch.Tensor
 
 def c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, freqs_cis, k_cache, *, page_size,
                               layout="v4", out=None):
-    """Ratio 1, decode and extend alike: ``out[r]`` = the latent of ``kv_input[r]`` (bf16
+    """Ratio 1, decode and extend alike (contract §10.4): ``out[r]`` = the latent of ``kv_input[r]`` (bf16
     ``[N, 512]``, the raw projection) for every row, padded ones included; rows with ``out_loc > 0``
     (int32 or int64; ``<= 0``: padding) store it at slot ``out_loc`` of ``k_cache`` with RoPE position
     ``positions[r]``. Returns ``out`` (bf16 ``[N, 512]``, allocated if None)."""
@@ -230,7 +230,7 @@ def _check_closing(closing: torch.Tensor, positions, raw, freq, cache, page_size
 def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, raw_out_loc, eps, freqs_cis, k_cache,
                               *, page_size, ring_size, draft_len=1, layout="v4", out=None):
     """Ratio 2, decode (``draft_len = 1``: one row per request) or target verify (``draft_len = d > 1``:
-    request-major blocks of ``d`` consecutive positions).
+    request-major blocks of ``d`` consecutive positions), contract §10.4.
 
     ``kv_input`` fp32 ``[N, 1024]`` (``| kv | score |``). A row's partner is the previous input row inside a
     verify block, else ring row ``req · ring_size + (p − 1) mod ring_size`` of ``kv_state`` (read for every
@@ -272,7 +272,7 @@ def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, r
 
 def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, raw_out_loc, eps, freqs_cis, k_cache,
                                extend_start_loc, extend_seq_lens, *, page_size, ring_size, layout="v4", out=None):
-    """Ratio 2, an extend batch: request ``i`` owns input rows ``[extend_start_loc[i],
+    """Ratio 2, an extend batch (contract §10.4): request ``i`` owns input rows ``[extend_start_loc[i],
     extend_start_loc[i] + extend_seq_lens[i])`` (int32). Padded rows (``raw_out_loc == 0``) take no part;
     rows of no request (padding after the last one) are never written back.
 
@@ -323,8 +323,8 @@ def write_back_rows(starts: torch.Tensor, lens: torch.Tensor, ring_size: int) ->
 # ---------------------------------------------------------------------------------------- decode pool
 
 def c2_decode_pool(kv, score, pos, raw_out_loc, out_loc, req, state_kv, state_score, pad_row, *, ring_size=0):
-    """Ratio-2 decode pair pooling alone (sglang's non-fused path, its Triton kernel): ``(pooled, group_pos,
-    slots)``, updating the state rows in place.
+    """Ratio-2 decode pair pooling alone (contract §10.5): ``(pooled, group_pos, slots)``, updating the
+    state rows in place.
 
     ``kv``, ``score``: fp32 ``[n, D]``; ``pos``, ``req`` int64; ``raw_out_loc``, ``out_loc`` int32 or int64;
     ``state_kv``, ``state_score``: fp32 rows of at least ``D`` columns (e.g. the two halves of the pair ring).

@@ -1,5 +1,5 @@
-"""Byte addressing of the paged caches the references write (contract §6.5; the V4.1 layouts of
-``dsv4jit.kv_layout``).
+"""Byte addressing of the paged caches the references write (contract §6.5; the V4.1 layouts:
+contract §10.1).
 
 A cache is a 2-D ``uint8`` tensor, one page per row. Location ``loc`` lives in page
 ``loc >> log2(page_size)`` at slot ``loc & (page_size − 1)``; where a slot's bytes lie inside its page

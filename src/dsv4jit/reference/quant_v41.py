@@ -1,11 +1,11 @@
-"""The codecs DeepSeek-V4.1 adds (as sglang 0.5.23 encodes them), in plain torch on fp32 values, exact.
+"""The codecs DeepSeek-V4.1 adds (contract §10.2), in plain torch on fp32 values, exact.
 
 * e2m1 with **round to nearest, ties to the even code** (the hardware ``cvt.rn.satfinite.e2m1x2.f32``),
   not the threshold rule of the V4 indexer (``quant.fp4_encode``); the sign bit is kept for −0.
 * ``v41``: e4m3 values, one UE8M0 exponent per 32 values, ``e = max(E − 8 + (M > 0x600000), 114)``.
 * ``v41_fp4``: e2m1 values two per byte, one e4m3 scale per 16 values, ``s = e4m3(clamp(a ⊘ 6, 2⁻⁹, 448))``.
 * ``uniform_fp8``: e4m3 of ``clamp(v, ±448)``, no stored scale.
-* The compressed-KV fp4 fake quant of the ratio-1/2 compressors (16-value blocks).
+* The compressed-KV fp4 fake quant of the ratio-1/2 compressors (16-value blocks, contract §10.4).
 
 Row codecs take ``[n, 512]`` fp32 rows and give ``(data, scales)`` uint8 ``[n, data_bytes]``,
 ``[n, scale_bytes]`` of one layout encoding (the ``_new`` layouts use their base encoding's); the
@@ -39,8 +39,7 @@ def e2m1rn_encode(u) -> torch.Tensor:
     Magnitudes by code 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; ties go to the even code (0.25 → 0, 0.75 → 1.0,
     1.25 → 1.0, 1.75 → 2.0, 2.5 → 2.0, 3.5 → 4.0, 5 → 4.0); magnitudes above 6 and +inf saturate to 6.
     Bit 3 is the fp32 sign bit, kept when the magnitude rounds to 0 (−0.0 and tiny negatives give 0x8).
-    NaN gives 0x7 (+6), as CUDA's own conversion does (cuda_fp4.hpp: "NaN converts to positive
-    FP4_MAXNORM").
+    NaN gives 0x7 (+6), the rule of CUDA's own conversion (contract §10.2).
     """
     u = torch.as_tensor(u, dtype=torch.float32)
     mag = u.abs()
@@ -64,7 +63,7 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 def v41_tile_exponent(amax):
     """UE8M0 exponent of a ``v41`` tile of max magnitude ``amax`` (fp32, >= 0), from its bits:
     ``e = max(E − 8 + (M > 0x600000), 114)`` with ``E``, ``M`` the biased exponent and mantissa of
-    ``amax``; equal to ``127 + ceil(log2(max(amax / 448, 1e-4)))`` with an exact quotient.
+    ``amax``; equal to ``127 + ceil(log2(max(amax / 448, 1e-4)))`` with an exact quotient (contract §10.2).
     Tensor in → int64 tensor out; a Python float in → an int out."""
     scalar = not isinstance(amax, torch.Tensor)
     bits = torch.as_tensor(amax, dtype=torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
@@ -83,7 +82,7 @@ def v41_fp4_scale(amax):
 
 
 def fake_quant_fp4_16(v: torch.Tensor) -> torch.Tensor:
-    """The compressed-KV fp4 fake quant of the ratio-1/2 compressors, fp32 ``[..., D]``.
+    """The compressed-KV fp4 fake quant of the ratio-1/2 compressors, fp32 ``[..., D]`` (contract §10.4).
 
     Per block of 16 values with max magnitude ``a``: ``s = e4m3(clamp(a ⊗ fl(1/6), 2⁻⁹, 448))`` (an fp32
     multiply by the rounded reciprocal, unlike the ``v41_fp4`` encoder), ``u = (v ⊘ s) + 0.0`` (the ``+0``

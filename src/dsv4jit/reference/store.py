@@ -9,6 +9,9 @@ each processed row into a paged byte cache (contract §6.5). Formats:
 * ``"indexer_fp8"`` hd 128: 128 e4m3 + one fp32 scale per token (contract §6.9)
 * ``"indexer_fp4"`` hd 128: 64 packed fp4 bytes + 4 UE8M0 scales per token (contract §6.10)
 
+A ``layout`` other than ``"v4"`` (a DeepSeek-V4.1 layout), or ``fp8_2buff`` (the V4 latent in two pools),
+stores the 512-dim rows as contract §10.3 describes instead.
+
 The byte geometry of each format (``page_bytes``, ``store_format``, the offsets) lives in
 ``dsv4jit.geometry``. The cache is a 2-D ``uint8`` tensor, one page per row. A location ``loc`` lives
 in page ``loc >> log2(page_size)`` at slot ``loc & (page_size - 1)``. Writers touch exactly the bytes
@@ -288,7 +291,7 @@ def check_layout_flags(layout, head_dim: int, *, use_fp4: bool, bf16_store: bool
                        kvcache_rope) -> KVLayout:
     """The store's ``layout`` (a KVLayout or its name) and two-pool arguments against the others:
     a V4.1 layout stores the 512-dim latent alone; ``fp8_2buff`` is the V4 latent into two pools
-    (what sglang 0.5.23 supports)."""
+    (contract §10.3)."""
     layout = KVLayout.parse(layout)
     if layout is not KVLayout.V4:
         for flag, value in (("use_fp4", use_fp4), ("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
@@ -367,7 +370,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
 
 def v41_values(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-    """The fp32 rows a V4.1 layout encodes: RMSNorm rounded to kv's dtype (a no-op for
+    """The fp32 rows a V4.1 layout encodes (contract §10.3): RMSNorm rounded to kv's dtype (a no-op for
     fp32 kv), RoPE in fp32 on those values, the rotated dims rounded to kv's dtype again."""
     def round_to_kv(x: torch.Tensor) -> torch.Tensor:
         return x.to(kv.dtype).to(torch.float32)
@@ -389,8 +392,9 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
     prefill plan's record of the step's tokens; -1: none) is the least number of out_loc entries.
 
     ``layout`` (a KVLayout or its name, any case) other than ``"v4"`` stores the 512-dim rows in that
-    V4.1 layout (the RMSNorm and rotated values rounded to kv's dtype, no Hadamard); ``fp8_2buff`` stores the V4 latent into ``kvcache`` (512 bytes a slot)
-    and ``kvcache_rope`` (``[pages · page_size, 128]`` uint8) instead.
+    V4.1 layout (the RMSNorm and rotated values rounded to kv's dtype, no Hadamard); ``fp8_2buff`` stores
+    the V4 latent into ``kvcache`` (512 bytes a slot) and ``kvcache_rope`` (``[pages · page_size, 128]``
+    uint8) instead (contract §10.3).
     """
     rows = checked_store(kv, plan, is_decode=is_decode, compress_ratio=compress_ratio, norm_weight=norm_weight,
                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
