@@ -76,6 +76,7 @@ def test_compat_reaches_the_c4_head_dims():
 def test_every_kernel_module_is_reached_by_a_family():
     """A kernel added to the catalogue without a family in preload.FAMILIES could not be warmed up."""
     reached = {v.spec.name for arch in (SM90, Arch.host()) for v in variants(arch, ops=tuple(FAMILIES))}
+    reached |= {v.spec.name for v in variants(SM90, ops=tuple(FAMILIES), head_dims={1: (512,), 2: (512,)})}
     assert reached == set(SPECS) - {"selftest", "store_probes"}  # the toolchain check and the test-only probes
 
 
@@ -98,7 +99,10 @@ SERVING_CONFIGS = (dict(ops=tuple(FAMILIES)), dict(ops=tuple(FAMILIES), use_fp4=
                    dict(ops=("compress", "online", "fused_online", "online_mtp"), state_dtype=torch.bfloat16),
                    dict(ops=("store",), bf16_store=True),
                    dict(ops=("store", "fused", "c4_layer"), layout={4: "v41", 128: "v41"}),
-                   dict(ops=("c4_layer",), layout={4: "v41"}, use_fp4=True))
+                   dict(ops=("c4_layer",), layout={4: "v41"}, use_fp4=True),
+                   dict(ops=("low_ratio", "c2_decode_pool"), head_dims={1: (512,), 2: (512,)},
+                        layout={1: "v41_fp4", 2: "v41_fp4"}),
+                   dict(ops=("low_ratio",), head_dims={1: (512,), 2: (512,)}))
 
 
 @pytest.mark.usefixtures("jit_env")

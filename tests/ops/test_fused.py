@@ -361,7 +361,7 @@ def test_fast_path_reuses_the_scratch_of_the_plan_it_last_saw():
     x = torch.zeros(1)
 
     def call(plan):
-        launch(x, x, x, plan, x, 1e-6, x, x, x, 2)
+        launch(x, x, x, plan, x, 1e-6, x, x, x, None, 2)
         return seen[-1]
 
     first = CompressorDecodePlan(128, torch.zeros(3, 16, dtype=torch.uint8))

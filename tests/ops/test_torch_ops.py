@@ -147,9 +147,9 @@ def test_opcheck(decode):
                           (kv, step.plan.plan_rows, step.weight, freq, step.out_loc, step.kvcache, None,
                            "indexer_fp8", step.page_size, 4, decode, 1e-6, num_q))
     torch.library.opcheck(torch.ops.dsv4jit.compress_and_store.default,
-                          (step.state, step.x, step.ape, step.plan[1], plan_w, step.weight, freq,
-                           step.out_loc, step.kvcache, "indexer_fp8", step.page_size, 128, 4, decode, 1e-6, num_q,
-                           reads_state))
+                          (step.state, step.x, step.ape, step.plan.plan_rows, plan_w, step.weight, freq,
+                           step.out_loc, step.kvcache, None, "indexer_fp8", step.page_size, 128, 4, decode, 1e-6,
+                           num_q, reads_state))
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
@@ -178,8 +178,8 @@ def test_opcheck_online(decode):
     out_loc = torch.randperm(x.shape[0], generator=gen)
     kvcache = torch.zeros(x.shape[0] // 2 + 1, page_bytes("v4_fp8", 2), dtype=torch.uint8)
     num_q = -1 if decode else plan.num_q_tokens
-    args = (state, x, ape, plan.plan_rows, plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, "v4_fp8",
-            2, 1e-6, num_q, decode)
+    args = (state, x, ape, plan.plan_rows, plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, None,
+            "v4_fp8", 2, 1e-6, num_q, decode)
     torch.library.opcheck(torch.ops.dsv4jit.compress_and_store_online.default, args)
     torch.ops.dsv4jit.compress_and_store_online.default(*args)
     assert kvcache.any(), "the step stored nothing: a vacuous test"

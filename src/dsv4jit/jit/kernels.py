@@ -72,11 +72,8 @@ STORE_FORMATS = FORMATS  # in the order of dsv4::store::Format
 _FORMAT_CPP = tuple(f"dsv4::store::Format::k{n}" for n in ("V4Fp8", "V4Bf16", "IndexerFp8", "IndexerFp4", "V41",
                                                             "V41Fp4", "UniformFp8", "V41New", "V41Fp4New", "V4TwoPool"))
 STORE_FORMAT = Param("format", "enum", STORE_FORMATS, _FORMAT_CPP)
-#: The formats a pool pass's store step writes: all but the two pools (a rope pool is the store op's only).
-_POOLED = tuple(f for f in STORE_FORMATS if f != "v4_fp8_2buff")
-POOLED_FORMAT = Param("format", "enum", _POOLED, tuple(_FORMAT_CPP[STORE_FORMATS.index(f)] for f in _POOLED))
-#: The latent formats (head_dim 512) a pool pass writes: V4's and the V4.1 layouts.
-_LATENT = tuple(f for f in _POOLED if not f.startswith("indexer"))
+#: The latent formats (head_dim 512): V4's (fp8, bf16 rows, two pools) and the V4.1 layouts.
+_LATENT = tuple(f for f in STORE_FORMATS if not f.startswith("indexer"))
 LATENT_FORMAT = Param("format", "enum", _LATENT, tuple(_FORMAT_CPP[STORE_FORMATS.index(f)] for f in _LATENT))
 #: What a DeepSeek-V4.1 serving step stores a compressed c4 / c128 row as by default: the fp8 encoding
 #: beside a V4.1 main cache, block-split or interleaved (contract §10).
@@ -106,7 +103,7 @@ _FUSED_ENTRY = "dsv4::fused::CompressAndStoreEntry<{ratio}, {state}, {input}, {f
 FUSED = KernelSpec(
     name="fused",
     header="fused/fused.cuh",
-    params=(Param("ratio", "int", (4, 128)), POOLED_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
+    params=(Param("ratio", "int", (4, 128)), STORE_FORMAT, Param("state", "dtype", ("fp32", "bf16")),
             Param("input", "dtype", ("fp32", "bf16")), PDL),
     exports={"run": _FUSED_ENTRY + "::run",
              "describe_compress_status": "dsv4::compress::describe_status",
@@ -184,7 +181,7 @@ FUSED_ONLINE = KernelSpec(
 )
 
 #: The latent caches of the ratio-1 and ratio-2 compressors: v4 (fp8) and the V4.1 layouts.
-_LOW_RATIO = tuple(f for f in _LATENT if f != "v4_bf16")
+_LOW_RATIO = tuple(f for f in _LATENT if f not in ("v4_bf16", "v4_fp8_2buff"))
 LOW_RATIO_FORMAT = Param("format", "enum", _LOW_RATIO, tuple(_FORMAT_CPP[STORE_FORMATS.index(f)] for f in _LOW_RATIO))
 #: What a DeepSeek-V4.1 serving step stores ratio-1 / ratio-2 rows as by default beside a v41 main cache: the
 #: fp4 encoding (contract §10.1); v4 beside a V4 main cache.

@@ -71,6 +71,14 @@ def store_format(op: str, head_dim: int, use_fp4: bool, bf16_store: bool, head_d
         raise arguments.reworded(op, e, ("use_fp4", "bf16_store", "fp8_2buff", "layout", "head_dim", "kv")) from None
 
 
+def check_rope_pool(op: str, fp8_2buff: bool, kvcache_rope: Optional[torch.Tensor]) -> None:
+    """kvcache_rope is given exactly with fp8_2buff (the two pools): ValueError naming it otherwise."""
+    if (kvcache_rope is not None) != fp8_2buff:
+        raise ValueError(f"dsv4jit.{op}: argument 'kvcache_rope' must be "
+                         + ("the pool of the bf16 rope rows with fp8_2buff=True, got None" if fp8_2buff else
+                            "None without fp8_2buff (only the two-pool store has a rope pool), got a tensor"))
+
+
 def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
     """complex64 [max_pos, 32] -> fp32 [max_pos, 64] of interleaved (cos, sin): a view, no copy.
 

@@ -30,6 +30,7 @@ from .store import check_store, checked_locations, store_op
 
 _OP = "compress_and_store"
 _TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis", "out_loc", "kvcache")
+_OPTIONAL = ("kvcache_rope",)
 #: The exports that tell the two status words of a fused kernel: its compressor's, then the store's.
 DESCRIBE = ("describe_compress_status", "describe_store_status")
 
@@ -128,7 +129,8 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
                        plan: Union[CompressorPrefillPlan, CompressorDecodePlan], *, head_dim: int,
                        compress_ratio: int, norm_weight: torch.Tensor, norm_eps: float, freq_cis: torch.Tensor,
                        out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int, use_fp4: bool = False,
-                       bf16_store: bool = False, is_online: bool = False, layout: str = "v4") -> None:
+                       bf16_store: bool = False, is_online: bool = False, layout: str = "v4", fp8_2buff: bool = False,
+                       kvcache_rope: Optional[torch.Tensor] = None) -> None:
     """compress_forward followed by compress_norm_rope_store, fused: the pooled rows go straight from
     registers to the cache and never reach memory. Same arguments as the two ops (the compressed rows
     take the input dtype, fp32 or bf16); caches and states are byte-identical to the two-step path.
@@ -139,33 +141,36 @@ def compress_and_store(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tens
     runs_fused), the call runs the two steps instead, every argument of both checked before the first
     launch.
     is_online=True fuses the online c128 compressor instead (online plans, head_dim 512, fp32 rows).
-    layout: the cache's KVLayout (or its name, any case), as compress_norm_rope_store takes it; a
-    DeepSeek-V4.1 layout for 512-dim rows.
+    layout, fp8_2buff, kvcache_rope: the cache's KVLayout (or its name, any case), or the V4 latent in two
+    pools, as compress_norm_rope_store takes them (512-dim rows).
     Ring c128 calls on one plan share a scratch buffer kept with the plan: run them in stream order.
     """
     if (type(head_dim) is int and type(compress_ratio) is int and type(page_size) is int
             and type(norm_eps) is float and 0.0 < norm_eps < math.inf and not library.tracing()):
         try:
             launch = _FAST[_fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout,
-                                     kv_score_buffer, kv_score_input, ape, norm_weight)]
+                                     fp8_2buff, kv_score_buffer, kv_score_input, ape, norm_weight)]
             return launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc,
-                          kvcache, page_size)
+                          kvcache, kvcache_rope, page_size)
         except (KeyError, AttributeError, TypeError, ValueError):
             pass  # a new signature, or an error the full path explains
     return _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, norm_weight,
-                               norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online, layout)
+                               norm_eps, freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online, layout,
+                               fp8_2buff, kvcache_rope)
 
 
 def _fast_key(plan, head_dim: int, compress_ratio: int, use_fp4: bool, bf16_store: bool, is_online: bool, layout,
-              buffer: torch.Tensor, inputs: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor) -> tuple:
+              fp8_2buff: bool, buffer: torch.Tensor, inputs: torch.Tensor, ape: torch.Tensor,
+              norm_weight: torch.Tensor) -> tuple:
     """What picks a call's launcher (freq_cis takes no part: the kernels read either form of the table
     and check its dtype; `layout` as given: a KVLayout hashes as its value)."""
-    return (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout, buffer.dtype,
+    return (plan.__class__, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout, fp8_2buff, buffer.dtype,
             inputs.dtype, ape.dtype, norm_weight.dtype, inputs.device)
 
 
 def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, compress_ratio, norm_weight, norm_eps,
-                        freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online, layout) -> None:
+                        freq_cis, out_loc, kvcache, page_size, use_fp4, bf16_store, is_online, layout, fp8_2buff,
+                        kvcache_rope) -> None:
     """compress_and_store with every check; remembers the call's launcher for the fast path."""
     op = _OP
     plan = as_plan(op, plan)
@@ -180,7 +185,9 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
     except (TypeError, AttributeError):  # locals() only here: torch.compile traces the happy path
         arguments.explain(op, locals(), _TENSORS)
         raise
-    fmt = common.store_format(op, head_dim, use_fp4, bf16_store, "head_dim", common.layout_value(op, layout))
+    fmt = common.store_format(op, head_dim, use_fp4, bf16_store, "head_dim", common.layout_value(op, layout),
+                              arguments.flag(op, "fp8_2buff", fp8_2buff))
+    common.check_rope_pool(op, fp8_2buff, kvcache_rope)
     if (is_online or compress_ratio == 128) and head_dim != V4_HEAD_DIM:
         where = "is_online=True" if is_online else "compress_ratio 128"
         raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with {where} (the V4 cache formats), "
@@ -190,7 +197,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         kernel_ape = common.ape_as(op, ape, row_dtype)
         weight = norm_weight if norm_weight.dtype == row_dtype else norm_weight.to(row_dtype)
         args = (kv_score_buffer, kv_score_input, kernel_ape, plan.plan_rows, plan.write_rows, weight,
-                common.freq_table(freq_cis), out_loc, kvcache, fmt, page_size)
+                common.freq_table(freq_cis), out_loc, kvcache, kvcache_rope, fmt, page_size)
         if is_online:
             fused_online_op(*args, eps, plan.kernel_num_q_tokens, plan.is_decode)
         else:
@@ -200,12 +207,12 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
             fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens, plan.reads_state,
                      counts)
     except (ValueError, TypeError, AttributeError) as e:
-        common.public_error(op, e, locals(), _TENSORS, (), lambda text: (
+        common.public_error(op, e, locals(), _TENSORS, _OPTIONAL, lambda text: (
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
             common.check_freq(op, freq_cis)))
     if not library.tracing() and kv_score_input.is_cuda and not runtime.checks_enabled():
-        key = _fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout, kv_score_buffer,
-                        kv_score_input, ape, norm_weight)
+        key = _fast_key(plan, head_dim, compress_ratio, use_fp4, bf16_store, is_online, layout, fp8_2buff,
+                        kv_score_buffer, kv_score_input, ape, norm_weight)
         name, params = _choice(is_online, compress_ratio, fmt, kv_score_buffer, kv_score_input)
         fn = runtime.function(name, "run", kv_score_input.device, **params)
         _FAST[key] = _launcher(fn, compress_ratio, head_dim, plan.is_decode, is_online,
@@ -232,7 +239,7 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
     blocks = block_units(compress_ratio, is_online)
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache,
-               page_size):
+               kvcache_rope, page_size):
         if plan.compress_ratio != compress_ratio:
             raise ValueError("plan of another compress ratio")
         if ape_dtype is not None:
@@ -249,58 +256,62 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
         else:
             buffer = counts = None
         run_fused(fn, kv_score_buffer, kv_score_input, ape, rows, plan.write_rows, norm_weight, freq_cis, out_loc,
-                  kvcache, None, page_size, norm_eps, plan.kernel_num_q_tokens, decode, plan.reads_state, one, buffer,
+                  kvcache, kvcache_rope, None, page_size, norm_eps, plan.kernel_num_q_tokens, decode, plan.reads_state,
+                  one, buffer,
                   counts)
 
     return launch
 
 
 @binding.calls(("fused", "fused_online"), "run")
-def run_fused(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
-              page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts) -> None:
-    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status, page_size,
-       norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts)
+def run_fused(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
+              kvcache_rope, status, page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows,
+              row_counts) -> None:
+    fn(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, kvcache_rope,
+       status, page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts)
 
 
-@library.custom_op("compress_and_store", mutates_args=("kv_score_buffer", "kvcache"))
+@library.custom_op("compress_and_store", mutates_args=("kv_score_buffer", "kvcache", "kvcache_rope"))
 def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
              plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor,
-             freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str,
-             page_size: int, head_dim: int, compress_ratio: int, is_decode: bool, norm_eps: float,
+             freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, kvcache_rope: Optional[torch.Tensor],
+             store_format: str, page_size: int, head_dim: int, compress_ratio: int, is_decode: bool, norm_eps: float,
              num_q_tokens: int, reads_state: bool, row_counts: Optional[torch.Tensor] = None) -> None:
     """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table;
-    reads_state: the prefill plan's, True in decode). Ring c128 on CUDA: row_counts from
-    plan_row_counts() (zero again after the call)."""
+    reads_state: the prefill plan's, True in decode; kvcache_rope: the two pools' rope pool, else None).
+    Ring c128 on CUDA: row_counts from plan_row_counts() (zero again after the call)."""
     _run(RING, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode, reads_state, row_counts)
+         kvcache_rope, store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode,
+         reads_state, row_counts)
 
 
-@library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache"))
+@library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache", "kvcache_rope"))
 def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
                     plan_rows: torch.Tensor, plan_w: torch.Tensor | None, norm_weight: torch.Tensor,
-                    freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str,
-                    page_size: int, norm_eps: float, num_q_tokens: int, is_decode: bool) -> None:
+                    freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
+                    kvcache_rope: Optional[torch.Tensor], store_format: str, page_size: int, norm_eps: float,
+                    num_q_tokens: int, is_decode: bool) -> None:
     """compress_and_store(is_online=True) on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
     _run(ONLINE, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens, is_decode, True)
+         kvcache_rope, store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens, is_decode, True)
 
 
 def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode, reads_state,
-         row_counts=None) -> None:
+         kvcache_rope, store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode,
+         reads_state, row_counts=None) -> None:
     is_online = kind is ONLINE
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
-                                kvcache)
+                                kvcache, kvcache_rope)
     if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
         rows = torch.empty((plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype))
-        check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, store_format, page_size, compress_ratio,
-                    is_decode, num_q_tokens)
+        check_store(rows, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, store_format, page_size,
+                    compress_ratio, is_decode, num_q_tokens)
         if is_online:
             online_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, is_decode)
         else:
             compress_op.impl(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, rows, head_dim, compress_ratio,
                              is_decode, reads_state)
-        store_op.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, None, store_format, page_size,
+        store_op.impl(rows, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, store_format, page_size,
                       compress_ratio, is_decode, norm_eps, num_q_tokens)
         return
     name, params = _choice(is_online, compress_ratio, store_format, kv_score_buffer, kv_score_input)
@@ -313,6 +324,7 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     blocks = one_kernel and block_units(compress_ratio, is_online)
     rows = None if one_kernel and not blocks else torch.empty(
         (plan_rows.shape[0], head_dim), dtype=kind.row_dtype(kv_score_input.dtype), device=device)
-    run_fused(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache, status,
-              page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows, row_counts if blocks else None)
+    run_fused(fn, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
+              kvcache_rope, status, page_size, norm_eps, num_q_tokens, is_decode, reads_state, one_kernel, rows,
+              row_counts if blocks else None)
     runtime.raise_status(status, _OP, name, device, params, DESCRIBE)

@@ -81,10 +81,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
         fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])", layout_name,
                                   fp8_2buff)
-        if (kvcache_rope is not None) != fp8_2buff:
-            raise ValueError(f"dsv4jit.{op}: argument 'kvcache_rope' must be "
-                             + ("the pool of the bf16 rope rows with fp8_2buff=True, got None" if fp8_2buff else
-                                "None without fp8_2buff (only the two-pool store has a rope pool), got a tensor"))
+        common.check_rope_pool(op, fp8_2buff, kvcache_rope)
         weight = norm_weight if norm_weight.dtype == kv.dtype else norm_weight.to(kv.dtype)
         store_op(kv, plan.plan_rows, weight, common.freq_table(freq_cis), out_loc, kvcache, kvcache_rope, fmt,
                  page_size, plan.compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens)
@@ -148,11 +145,11 @@ def checked_locations(plan_rows: torch.Tensor, out_loc: torch.Tensor, compress_r
 
 
 def check_store(rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
-                out_loc: torch.Tensor, kvcache: torch.Tensor, store_format: str, page_size: int, compress_ratio: int,
-                is_decode: bool, num_q_tokens: int) -> None:
+                out_loc: torch.Tensor, kvcache: torch.Tensor, kvcache_rope: Optional[torch.Tensor], store_format: str,
+                page_size: int, compress_ratio: int, is_decode: bool, num_q_tokens: int) -> None:
     """The store step's checks on the CPU (rows: its input, values not read), for a fused op to run
     before its compress step writes the state."""
     ref_store.checked_store(rows, plan_rows, is_decode=is_decode, compress_ratio=compress_ratio,
                             norm_weight=norm_weight, freq_cis=common.complex_freq(freq), out_loc=out_loc,
-                            kvcache=kvcache, page_size=page_size, num_q_tokens=num_q_tokens,
+                            kvcache=kvcache, page_size=page_size, num_q_tokens=num_q_tokens, kvcache_rope=kvcache_rope,
                             **geometry.format_options(store_format))

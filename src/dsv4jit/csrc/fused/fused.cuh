@@ -185,10 +185,10 @@ struct EntryBase {
   template <typename P>
   static void add_store(const char* op, P& p, Device& dev, Size& rows, const TensorView& plan,
                         const TensorView& norm_weight, const TensorView& freq, const TensorView& out_loc,
-                        const TensorView& kvcache, int64_t page_size, bool is_decode, double eps,
-                        int64_t num_q_tokens) {
-    p.s = Store::checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, Optional<TensorView>(), nullptr,
-                         page_size, kRatio, is_decode, eps, num_q_tokens);
+                        const TensorView& kvcache, const Optional<TensorView>& kvcache_rope, int64_t page_size,
+                        bool is_decode, double eps, int64_t num_q_tokens) {
+    p.s = Store::checked(op, rows, dev, plan, norm_weight, freq, out_loc, kvcache, kvcache_rope, nullptr, page_size,
+                         kRatio, is_decode, eps, num_q_tokens);
   }
 
   /// Checks the buffers of the path `one_kernel` names (`rows` is checked as the compressor's output
@@ -227,12 +227,13 @@ struct EntryBase {
       const char* op, Device& dev, Size& rows_w, const TensorView& kv_score_buffer, const TensorView& kv_score_input,
       const TensorView& ape, const TensorView& plan_c, const TensorView& plan_w, const TensorView* rows,
       const TensorView& norm_weight, const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache,
-      int64_t page_size, double eps, int64_t num_q_tokens) {
+      const Optional<TensorView>& kvcache_rope, int64_t page_size, double eps, int64_t num_q_tokens) {
     Size rows_c{"plan_c_rows"};
     Params<typename PrefillPass::Params> p{};
     p.c = Compressor::prefill_params(op, dev, kv_score_buffer, kv_score_input, ape, plan_c, plan_w, rows, nullptr,
                                      rows_c, rows_w);
-    add_store(op, p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, page_size, false, eps, num_q_tokens);
+    add_store(op, p, dev, rows_c, plan_c, norm_weight, freq, out_loc, kvcache, kvcache_rope, page_size, false, eps,
+              num_q_tokens);
     if (rows != nullptr) p.s.kv = rows->data_ptr();
     return p;
   }
@@ -241,11 +242,12 @@ struct EntryBase {
   static Params<typename DecodePass::Params> decode_params(
       const char* op, Device& dev, const TensorView& kv_score_buffer, const TensorView& kv_score_input,
       const TensorView& ape, const TensorView& plan_d, const TensorView* rows, const TensorView& norm_weight,
-      const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache, int64_t page_size, double eps) {
+      const TensorView& freq, const TensorView& out_loc, const TensorView& kvcache,
+      const Optional<TensorView>& kvcache_rope, int64_t page_size, double eps) {
     Size batch{"batch_size"};
     Params<typename DecodePass::Params> p{};
     p.c = Compressor::decode_params(op, dev, kv_score_buffer, kv_score_input, ape, plan_d, rows, nullptr, batch);
-    add_store(op, p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, page_size, true, eps, -1);
+    add_store(op, p, dev, batch, plan_d, norm_weight, freq, out_loc, kvcache, kvcache_rope, page_size, true, eps, -1);
     if (rows != nullptr) p.s.kv = rows->data_ptr();
     return p;
   }
@@ -260,7 +262,8 @@ struct EntryBase {
   /// false: the plan's pool pass reads no state row, so a prefill's write pass may share its grid.
   static void run(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView plan_rows,
                   Optional<TensorView> plan_w, TensorView norm_weight, TensorView freq, TensorView out_loc,
-                  TensorView kvcache, Optional<TensorView> status, int64_t page_size, double norm_eps,
+                  TensorView kvcache, Optional<TensorView> kvcache_rope, Optional<TensorView> status, int64_t page_size,
+                  double norm_eps,
                   int64_t num_q_tokens, bool is_decode, bool reads_state, bool one_kernel, Optional<TensorView> rows,
                   Optional<TensorView> row_counts) {
     Device dev;
@@ -268,7 +271,7 @@ struct EntryBase {
     const TensorView* buffer = rows.has_value() ? &rows.value() : nullptr;
     if (is_decode) {
       auto p = decode_params(kOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, buffer, norm_weight, freq,
-                             out_loc, kvcache, page_size, norm_eps);
+                             out_loc, kvcache, kvcache_rope, page_size, norm_eps);
       check_path(kOp, dev, p, one_kernel, buffer, row_counts);
       attach_status(p, status_words(kOp, dev, status, 2));
       if (one_kernel) {
@@ -282,7 +285,7 @@ struct EntryBase {
     expect(kFusedPrefill || !one_kernel, kOp, "one_kernel", "false (ring c128 prefills run as two steps)", "true");
     Size rows_w{"plan_w_rows"};
     auto p = prefill_params(kOp, dev, rows_w, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w.value(), buffer,
-                            norm_weight, freq, out_loc, kvcache, page_size, norm_eps, num_q_tokens);
+                            norm_weight, freq, out_loc, kvcache, kvcache_rope, page_size, norm_eps, num_q_tokens);
     check_path(kOp, dev, p, one_kernel, buffer, row_counts);
     attach_status(p, status_words(kOp, dev, status, 2));
     if constexpr (kFusedPrefill) {

@@ -83,7 +83,8 @@ struct C4LayerEntry {
   static constexpr const char* kIndexerOp = "compress_and_store_c4_layer[indexer]";
 
   static void run(TensorView kv_score_buffer, TensorView kv_score_input, TensorView ape, TensorView norm_weight,
-                  TensorView out_loc, TensorView kvcache, int64_t page_size, TensorView indexer_kv_score_buffer,
+                  TensorView out_loc, TensorView kvcache, Optional<TensorView> kvcache_rope, int64_t page_size,
+                  TensorView indexer_kv_score_buffer,
                   TensorView indexer_kv_score_input, TensorView indexer_ape, TensorView indexer_norm_weight,
                   TensorView indexer_out_loc, TensorView indexer_kvcache, int64_t indexer_page_size,
                   TensorView plan_rows, Optional<TensorView> plan_w, TensorView freq, double norm_eps, int64_t num_q_tokens,
@@ -92,22 +93,23 @@ struct C4LayerEntry {
     Core::check_phase(kOp, is_decode, plan_w);
     if (is_decode) {
       auto core = Core::decode_params(kCoreOp, dev, kv_score_buffer, kv_score_input, ape, plan_rows, nullptr,
-                                      norm_weight, freq, out_loc, kvcache, page_size, norm_eps);
+                                      norm_weight, freq, out_loc, kvcache, kvcache_rope, page_size, norm_eps);
       auto indexer = Indexer::decode_params(kIndexerOp, dev, indexer_kv_score_buffer, indexer_kv_score_input,
                                             indexer_ape, plan_rows, nullptr, indexer_norm_weight, freq,
-                                            indexer_out_loc, indexer_kvcache, indexer_page_size, norm_eps);
+                                            indexer_out_loc, indexer_kvcache, Optional<TensorView>(),
+                                            indexer_page_size, norm_eps);
       attach(core, indexer, status_words(kOp, dev, status, 4));
       launch_pair<CoreDecode, IndexerDecode>(dev, core, indexer);
       return;
     }
     Size core_rows_w{"plan_w_rows"}, indexer_rows_w{"plan_w_rows"};
     auto core = Core::prefill_params(kCoreOp, dev, core_rows_w, kv_score_buffer, kv_score_input, ape, plan_rows,
-                                     plan_w.value(), nullptr, norm_weight, freq, out_loc, kvcache, page_size, norm_eps,
-                                     num_q_tokens);
+                                     plan_w.value(), nullptr, norm_weight, freq, out_loc, kvcache, kvcache_rope,
+                                     page_size, norm_eps, num_q_tokens);
     auto indexer = Indexer::prefill_params(kIndexerOp, dev, indexer_rows_w, indexer_kv_score_buffer,
                                            indexer_kv_score_input, indexer_ape, plan_rows, plan_w.value(), nullptr,
                                            indexer_norm_weight, freq, indexer_out_loc, indexer_kvcache,
-                                           indexer_page_size, norm_eps, num_q_tokens);
+                                           Optional<TensorView>(), indexer_page_size, norm_eps, num_q_tokens);
     attach(core, indexer, status_words(kOp, dev, status, 4));
     if (!reads_state && !capturing(kOp, dev.dev)) {
       launch_one_grid(dev, core, indexer, core_rows_w.value, indexer_rows_w.value);
