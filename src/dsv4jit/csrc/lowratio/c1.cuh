@@ -1,7 +1,7 @@
 // c1_decode_norm_rope_store (contract §10.4): the ratio-1 compressor. Every row (decode and extend
 // alike) is its own compressed token: its RMSNorm is the bf16 latent, written to `out` for every
 // row (padded rows too), and stored at the row's full slot out_loc (page 256 in serving) with RoPE
-// at the row's position, unless out_loc <= 0 (a padded row). One launch, a warp per row.
+// at the row's position, unless out_loc <= 0 (a padded row). One launch, a block per row.
 #pragma once
 
 #include "common/pdl.cuh"
@@ -11,28 +11,24 @@
 namespace dsv4::lowratio {
 
 template <store::Format F, bool kPDL>
-__global__ __launch_bounds__(kWarpsPerBlock * kWarpSize) void c1_kernel(const __grid_constant__ Params p) {
-  const int j = threadIdx.x % kWarpSize;
-  const uint32_t row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  Lanes w;
-  load_weight(p, j, w);
+__global__ __launch_bounds__(kThreads) void c1_kernel(const __grid_constant__ Params p) {
+  __shared__ double partials[kChunks];
+  const RowLane t = RowLane::of_thread();
+  const uint32_t row = blockIdx.x;
+  Dims w;
+  load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
-  if (row >= p.rows) return;
   const int64_t position = entry(p.positions, p.pos64, row), loc = entry(p.locs, p.loc64, row);
-  Lanes x;
-  const bf16_t* kv = static_cast<const bf16_t*>(p.kv) + uint64_t{row} * kHeadDim;
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    const Vec<bf16_t, 4> v = load_vec<4>(kv + 128 * k + 4 * j);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) x[k][c] = to_f32(v[c]);
-  }
-  const Vec<float, 4> rope = load_rope(p, j, position);
+  const Vec<bf16_t, 4> kv = load_vec<4>(static_cast<const bf16_t*>(p.kv) + uint64_t{row} * kHeadDim + t.dim);
+  const Vec<float, 4> rope = load_rope(p, t, position);
   pdl_launch_dependents<kPDL>();
-  normalize_latent(p, x, w);
-  write_out(p, row, j, x);
+  Dims x;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) x[c] = to_f32(kv[c]);
+  normalize_latent(p, t, x, w, partials);
+  write_out(p, row, t, x);
   if (loc <= 0 || !storable(p, loc, position)) return;
-  store_latent<F>(p, j, loc, rope, x);
+  store_latent<F>(p, t, loc, rope, x);
 }
 
 template <store::Format F, bool kPDL>
@@ -54,7 +50,7 @@ struct C1Entry {
                           page_size, eps);
     p.kv = kv_input.data_ptr();
     if (p.rows == 0) return;
-    launch(op, dev.dev, {blocks_for(p.rows), kWarpsPerBlock * kWarpSize}, kPDL, c1_kernel<F, kPDL>, p);
+    launch(op, dev.dev, {p.rows, kThreads}, kPDL, c1_kernel<F, kPDL>, p);
   }
 };
 

@@ -4,14 +4,14 @@
 // p - 1. A partner that is not the row before it in the batch comes from the pair ring kv_state, one
 // | kv | score | row per (request slot, position mod ring_size). Rows with raw_out_loc 0 are padding.
 //
-//   decode / verify   a warp per row; an even row parks its input row in the ring; an odd row's
+//   decode / verify   a block per row; an even row parks its input row in the ring; an odd row's
 //                     partner is the row before it inside its block of draft_len rows, else the
 //                     ring (ring_size > draft_len: no even row of a block overwrites a partner that
 //                     the block's first row reads)
-//   prefill           a warp per row pools the odd rows whose partner is the row before them, and a
-//                     warp per request pools its first row if that row's partner is in the ring, then
+//   prefill           a block per row pools the odd rows whose partner is the row before them, and a
+//                     block per request pools its first row if that row's partner is in the ring, then
 //                     writes back the request's last min(len, ring_size) rows into the ring: after the
-//                     one read this step makes of them, in the same warp (so one launch)
+//                     one read this step makes of them, by the same threads (so one launch)
 //
 // Pooling, per channel: d = s_o - s_n, e = exp(-|d|) (fp64, rounded once), (w_o, w_n) = d > 0 ? (1, e)
 // : (e, 1), pooled = (kv_o · w_o + kv_n · w_n) / (1 + e), each operation rounded once; the latent is
@@ -24,45 +24,36 @@
 
 namespace dsv4::lowratio {
 
-/// Lane j's kv and score values of a | kv | score | row.
-struct PairLanes {
-  Lanes kv, score;
+/// The thread's kv and score dims of a | kv | score | row.
+struct PairDims {
+  Dims kv, score;
 };
 
-DSV4_DEV void load_pair_row(const float* row, int j, PairLanes& v) {
+DSV4_DEV void load_pair(const float* row, const RowLane& t, PairDims& v) {
+  const Vec<float, 4> kv = load_vec<4>(row + t.dim), sc = load_vec<4>(row + kHeadDim + t.dim);
 #pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    const Vec<float, 4> kv = load_vec<4>(row + 128 * k + 4 * j), sc = load_vec<4>(row + kHeadDim + 128 * k + 4 * j);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v.kv[k][c] = kv[c], v.score[k][c] = sc[c];
-  }
+  for (int c = 0; c < 4; ++c) v.kv[c] = kv[c], v.score[c] = sc[c];
 }
 
-/// Copies lane j's part of a | kv | score | row (the same lanes and channels as load_pair_row).
-DSV4_DEV void copy_pair_row(const float* from, float* to, int j) {
+/// Stores the thread's dims of a | kv | score | row (the same dims as load_pair: a thread that read a
+/// ring row before writing it reads what was there).
+DSV4_DEV void store_pair(float* row, const RowLane& t, const PairDims& v) {
+  Vec<float, 4> kv, sc;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      const int at = half * kHeadDim + 128 * k + 4 * j;
-      store_vec(to + at, load_vec<4>(from + at));
-    }
-  }
+  for (int c = 0; c < 4; ++c) kv[c] = v.kv[c], sc[c] = v.score[c];
+  store_vec(row + t.dim, kv);
+  store_vec(row + kHeadDim + t.dim, sc);
 }
 
 /// The pooled pair (partner `o`, own `n`), in o.kv, rounded to bf16 (the latent's input).
-DSV4_DEV void pool_pair(PairLanes& o, const PairLanes& n) {
+DSV4_DEV void pool_pair(PairDims& o, const PairDims& n) {
 #pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float d = __fsub_rn(o.score[k][c], n.score[k][c]);
-      const float e = static_cast<float>(exp(-static_cast<double>(fabsf(d))));
-      const float w_o = d > 0.0f ? 1.0f : e, w_n = d > 0.0f ? e : 1.0f;
-      const float pooled = __fdiv_rn(__fadd_rn(__fmul_rn(o.kv[k][c], w_o), __fmul_rn(n.kv[k][c], w_n)),
-                                     __fadd_rn(1.0f, e));
-      o.kv[k][c] = to_f32(from_f32<bf16_t>(pooled));
-    }
+  for (int c = 0; c < 4; ++c) {
+    const float d = __fsub_rn(o.score[c], n.score[c]);
+    const float e = static_cast<float>(exp(-static_cast<double>(fabsf(d))));
+    const float w_o = d > 0.0f ? 1.0f : e, w_n = d > 0.0f ? e : 1.0f;
+    const float pooled = __fdiv_rn(__fadd_rn(__fmul_rn(o.kv[c], w_o), __fmul_rn(n.kv[c], w_n)), __fadd_rn(1.0f, e));
+    o.kv[c] = to_f32(from_f32<bf16_t>(pooled));
   }
 }
 
@@ -91,99 +82,104 @@ DSV4_DEV int64_t ring_row(const Params& p, int64_t rid, int64_t position) {
 
 DSV4_DEV const float* input_row(const Params& p, uint64_t row) { return static_cast<const float*>(p.kv) + row * kPairRow; }
 
-/// Pools odd row `row` (meta `m`) with the partner row at `partner`, writes its latent to out and
-/// stores it. Every lane of the warp calls it.
+/// Pools odd row `row` (meta `m`, its own dims `n`) with the partner row at `partner`, writes its
+/// latent to out and stores it. Every thread of the block calls it.
 template <store::Format F>
-DSV4_DEV void close_pair(const Params& p, uint32_t row, int j, const RowMeta& m, const float* partner,
-                         const Lanes& w) {
-  PairLanes o, n;
-  load_pair_row(partner, j, o);
-  load_pair_row(input_row(p, row), j, n);
-  const Vec<float, 4> rope = load_rope(p, j, m.position - 1);
+DSV4_DEV void close_pair(const Params& p, uint32_t row, const RowLane& t, const RowMeta& m, const PairDims& n,
+                         const float* partner, const Dims& w, double (&partials)[kChunks]) {
+  PairDims o;
+  load_pair(partner, t, o);
+  const Vec<float, 4> rope = load_rope(p, t, m.position - 1);
   pool_pair(o, n);
-  normalize_latent(p, o.kv, w);
-  write_out(p, row, j, o.kv);
+  normalize_latent(p, t, o.kv, w, partials);
+  write_out(p, row, t, o.kv);
   const int64_t loc = m.raw >> 1;
-  if (storable(p, loc, m.position - 1)) store_latent<F>(p, j, loc, rope, o.kv);
+  if (storable(p, loc, m.position - 1)) store_latent<F>(p, t, loc, rope, o.kv);
 }
 
-/// Decode and target verify: a warp per row.
+/// Decode and target verify: a block per row.
 template <store::Format F, bool kPDL>
-__global__ __launch_bounds__(kWarpsPerBlock * kWarpSize) void c2_decode_kernel(const __grid_constant__ Params p) {
-  const int j = threadIdx.x % kWarpSize;
-  const uint32_t row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  Lanes w;
-  load_weight(p, j, w);
+__global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_constant__ Params p) {
+  __shared__ double partials[kChunks];
+  const RowLane t = RowLane::of_thread();
+  const uint32_t row = blockIdx.x;
+  Dims w;
+  load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
-  if (row >= p.rows) return;
   const RowMeta m = meta(p, row);
+  PairDims own;  // loaded beside the row's metadata: every row but a padded one needs it
+  load_pair(input_row(p, row), t, own);
   pdl_launch_dependents<kPDL>();
   if (m.raw == 0) return;  // a padded row
   if (m.position % 2 == 0) {  // parks its row for the odd row of a later step (or of its block)
     const int64_t r = ring_row(p, m.rid, m.position);
-    if (r >= 0) copy_pair_row(input_row(p, row), p.ring + r * kPairRow, j);
+    if (r >= 0) store_pair(p.ring + r * kPairRow, t, own);
     return;
   }
   const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
   const int64_t r = in_block ? 0 : ring_row(p, m.rid, m.position - 1);
   if (r < 0) return;
-  close_pair<F>(p, row, j, m, in_block ? input_row(p, row - 1) : p.ring + r * kPairRow, w);
+  close_pair<F>(p, row, t, m, own, in_block ? input_row(p, row - 1) : p.ring + r * kPairRow, w, partials);
 }
 
-/// Whether `row`'s partner is the row before it: the same request, position - 1, not padding.
-DSV4_DEV bool partner_before(const Params& p, uint32_t row, const RowMeta& m) {
-  if (row == 0) return false;
-  const RowMeta before = meta(p, row - 1);
+/// Whether the row before a row (`m`) is its partner: the same request, position - 1, not padding.
+DSV4_DEV bool is_partner(const RowMeta& before, const RowMeta& m) {
   return before.raw != 0 && before.rid == m.rid && before.position == m.position - 1;
 }
 
-/// Whether some request's rows start at `row` (every lane calls it).
+/// Whether some request's rows start at `row` (every thread of the block calls it).
 DSV4_DEV bool starts_a_request(const Params& p, uint32_t row) {
   bool found = false;
-  for (uint32_t base = 0; base < p.num_reqs; base += kWarpSize) {
-    const uint32_t i = base + threadIdx.x % kWarpSize;
-    found |= i < p.num_reqs && p.extend_len[i] > 0 && static_cast<uint32_t>(p.extend_start[i]) == row;
+  for (uint32_t i = threadIdx.x; i < p.num_reqs; i += kThreads) {
+    found |= p.extend_len[i] > 0 && static_cast<uint32_t>(p.extend_start[i]) == row;
   }
-  return __any_sync(kFullMask, found);
+  return __syncthreads_or(found) != 0;
 }
 
-/// Prefill: warps [0, rows) a row each, then a warp per request (after the row warps' blocks).
+/// Prefill: blocks [0, rows) a row each, then a block per request.
 template <store::Format F, bool kPDL>
-__global__ __launch_bounds__(kWarpsPerBlock * kWarpSize) void c2_prefill_kernel(const __grid_constant__ Params p) {
-  const int j = threadIdx.x % kWarpSize;
-  const uint32_t row_blocks = (p.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  Lanes w;
-  load_weight(p, j, w);
+__global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_constant__ Params p) {
+  __shared__ double partials[kChunks];
+  const RowLane t = RowLane::of_thread();
+  Dims w;
+  load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
   pdl_launch_dependents<kPDL>();
-  if (blockIdx.x < row_blocks) {
-    const uint32_t row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    if (row >= p.rows) return;
+  if (blockIdx.x < p.rows) {
+    const uint32_t row = blockIdx.x;
     const RowMeta m = meta(p, row);
+    const RowMeta before = row > 0 ? meta(p, row - 1) : RowMeta{0, -1, 0};
     if (m.raw == 0 || m.position % 2 == 0) return;
-    if (partner_before(p, row, m)) {
-      close_pair<F>(p, row, j, m, input_row(p, row - 1), w);
+    PairDims own;
+    load_pair(input_row(p, row), t, own);
+    if (is_partner(before, m)) {
+      close_pair<F>(p, row, t, m, own, input_row(p, row - 1), w, partials);
       return;
     }
-    if (starts_a_request(p, row)) return;  // its request's warp pools it before the write-back
+    if (starts_a_request(p, row)) return;  // its request's block pools it before the write-back
     const int64_t r = ring_row(p, m.rid, m.position - 1);
-    if (r >= 0) close_pair<F>(p, row, j, m, p.ring + r * kPairRow, w);
+    if (r >= 0) close_pair<F>(p, row, t, m, own, p.ring + r * kPairRow, w, partials);
     return;
   }
-  const uint32_t i = (blockIdx.x - row_blocks) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  if (i >= p.num_reqs) return;
+  const uint32_t i = blockIdx.x - p.rows;
   const int64_t start = p.extend_start[i], len = p.extend_len[i];
   if (len <= 0 || start < 0 || start + len > p.rows) return;
   const RowMeta first = meta(p, start);
-  if (first.raw != 0 && first.position % 2 == 1 && !partner_before(p, start, first)) {
+  const RowMeta before = start > 0 ? meta(p, start - 1) : RowMeta{0, -1, 0};
+  if (first.raw != 0 && first.position % 2 == 1 && !is_partner(before, first)) {
     const int64_t r = ring_row(p, first.rid, first.position - 1);
-    if (r >= 0) close_pair<F>(p, start, j, first, p.ring + r * kPairRow, w);
+    PairDims own;
+    load_pair(input_row(p, start), t, own);
+    if (r >= 0) close_pair<F>(p, start, t, first, own, p.ring + r * kPairRow, w, partials);
   }
   for (int64_t k = len > p.ring_size ? len - p.ring_size : 0; k < len; ++k) {  // the write-back
     const RowMeta m = meta(p, start + k);
     if (m.raw == 0) continue;
     const int64_t r = ring_row(p, m.rid, m.position);
-    if (r >= 0) copy_pair_row(input_row(p, start + k), p.ring + r * kPairRow, j);
+    if (r < 0) continue;
+    PairDims v;
+    load_pair(input_row(p, start + k), t, v);
+    store_pair(p.ring + r * kPairRow, t, v);
   }
 }
 
@@ -231,7 +227,7 @@ struct C2Entry {
     }
     p.draft_len = static_cast<int32_t>(draft_len);
     if (p.rows == 0) return;
-    launch(op, dev.dev, {blocks_for(p.rows), kWarpsPerBlock * kWarpSize}, kPDL, c2_decode_kernel<F, kPDL>, p);
+    launch(op, dev.dev, {p.rows, kThreads}, kPDL, c2_decode_kernel<F, kPDL>, p);
   }
 
   static void prefill(TensorView kv_input, TensorView kv_state, TensorView norm_weight, TensorView positions,
@@ -250,8 +246,7 @@ struct C2Entry {
     p.num_reqs = static_cast<uint32_t>(reqs.value);
     p.draft_len = 1;
     if (p.rows == 0) return;
-    launch(op, dev.dev, {blocks_for(p.rows) + blocks_for(p.num_reqs), kWarpsPerBlock * kWarpSize}, kPDL,
-           c2_prefill_kernel<F, kPDL>, p);
+    launch(op, dev.dev, {p.rows + p.num_reqs, kThreads}, kPDL, c2_prefill_kernel<F, kPDL>, p);
   }
 };
 

@@ -1,5 +1,5 @@
 // c2_decode_pool (contract §10.5): ratio-2 decode pair pooling alone, as sglang's non-fused decode
-// path runs it (the norm, RoPE and store follow as other ops). A warp per row; per row, with its
+// path runs it (the norm, RoPE and store follow as other ops). A block per row; per row, with its
 // partner state row r:
 //   ring_size > 0   r = pad_row for a padded row (raw_out_loc 0) or position 0, else
 //                   req · ring_size + (position - 1) mod ring_size; then every non-padded row writes its
@@ -44,7 +44,7 @@ struct PoolParams {
 };
 
 inline constexpr int kPoolDim = 512;
-inline constexpr int kPoolWarps = 4;
+inline constexpr int kPoolThreads = kPoolDim / 4;  // a block per row, 4 dims a thread
 
 enum PoolStatusBit : int32_t {
   kStateRowOutOfRange = 1,  // a state row (read or written) lies outside state_kv / state_score
@@ -63,15 +63,16 @@ DSV4_DEV int64_t pool_entry(const void* values, bool wide, uint64_t i) {
 DSV4_DEV float exp_rounded(float x) { return static_cast<float>(exp(static_cast<double>(x))); }
 
 template <bool kPDL>
-__global__ __launch_bounds__(kPoolWarps * kWarpSize) void c2_pool_kernel(const __grid_constant__ PoolParams p) {
-  const int j = threadIdx.x % kWarpSize;
-  const uint32_t row = blockIdx.x * kPoolWarps + threadIdx.x / kWarpSize;
+__global__ __launch_bounds__(kPoolThreads) void c2_pool_kernel(const __grid_constant__ PoolParams p) {
+  const int c0 = 4 * threadIdx.x;  // this thread's dims
+  const uint32_t row = blockIdx.x;
   pdl_wait_upstream<kPDL>();
-  if (row >= p.rows) return;
   const int64_t position = p.positions[row], rid = p.req[row];
   const int64_t raw = pool_entry(p.raw_out_loc, p.raw64, row), loc = pool_entry(p.out_loc, p.loc64, row);
+  const Vec<float, 4> kv = load_vec<4>(p.kv + uint64_t{row} * kPoolDim + c0);
+  const Vec<float, 4> sc = load_vec<4>(p.score + uint64_t{row} * kPoolDim + c0);
   const bool odd = position % 2 != 0;
-  if (j == 0) {
+  if (threadIdx.x == 0) {
     p.group_pos[row] = odd ? position - 1 : position;
     const int64_t slot = loc >= 0 ? loc : 0;
     if (p.loc64) {
@@ -85,41 +86,26 @@ __global__ __launch_bounds__(kPoolWarps * kWarpSize) void c2_pool_kernel(const _
                                     : (raw == 0 ? p.pad_row : rid);
   const int64_t w = p.ring_size > 0 ? (raw == 0 ? -1 : rid * p.ring_size + position % p.ring_size) : r;
   if (r < 0 || r >= p.state_rows || w >= p.state_rows || (p.ring_size > 0 && raw != 0 && w < 0)) {
-    if (p.status != nullptr && j == 0) atomicOr(p.status, kStateRowOutOfRange);
+    if (p.status != nullptr && threadIdx.x == 0) atomicOr(p.status, kStateRowOutOfRange);
     return;
   }
-  constexpr int kGroups = kPoolDim / (4 * kWarpSize);
-  Vec<float, 4> kv[kGroups], sc[kGroups], kv_o[kGroups], sc_o[kGroups];
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    const int c = 128 * g + 4 * j;
-    kv[g] = load_vec<4>(p.kv + uint64_t{row} * kPoolDim + c);
-    sc[g] = load_vec<4>(p.score + uint64_t{row} * kPoolDim + c);
-    kv_o[g] = load_vec<4>(p.state_kv + r * p.kv_stride + c);
-    sc_o[g] = load_vec<4>(p.state_score + r * p.score_stride + c);
-  }
+  const Vec<float, 4> kv_o = load_vec<4>(p.state_kv + r * p.kv_stride + c0);
+  const Vec<float, 4> sc_o = load_vec<4>(p.state_score + r * p.score_stride + c0);
   pdl_launch_dependents<kPDL>();
-  if (w >= 0) {  // after this lane's reads of the same channels: the row it read may be the one it writes
+  if (w >= 0) {  // after this thread's reads of the same dims: the row it read may be the one it writes
     const bool keep = p.ring_size == 0 && odd;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      const int c = 128 * g + 4 * j;
-      store_vec(p.state_kv + w * p.kv_stride + c, keep ? kv_o[g] : kv[g]);
-      store_vec(p.state_score + w * p.score_stride + c, keep ? sc_o[g] : sc[g]);
-    }
+    store_vec(p.state_kv + w * p.kv_stride + c0, keep ? kv_o : kv);
+    store_vec(p.state_score + w * p.score_stride + c0, keep ? sc_o : sc);
   }
+  Vec<float, 4> out;
 #pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    Vec<float, 4> out;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float m = fmaxf(sc_o[g][c], sc[g][c]);
-      const float e_o = exp_rounded(__fsub_rn(sc_o[g][c], m)), e_n = exp_rounded(__fsub_rn(sc[g][c], m));
-      const float denom = __fadd_rn(e_o, e_n);
-      out[c] = __fadd_rn(__fmul_rn(kv_o[g][c], __fdiv_rn(e_o, denom)), __fmul_rn(kv[g][c], __fdiv_rn(e_n, denom)));
-    }
-    store_vec(p.pooled + uint64_t{row} * kPoolDim + 128 * g + 4 * j, out);
+  for (int c = 0; c < 4; ++c) {
+    const float m = fmaxf(sc_o[c], sc[c]);
+    const float e_o = exp_rounded(__fsub_rn(sc_o[c], m)), e_n = exp_rounded(__fsub_rn(sc[c], m));
+    const float denom = __fadd_rn(e_o, e_n);
+    out[c] = __fadd_rn(__fmul_rn(kv_o[c], __fdiv_rn(e_o, denom)), __fmul_rn(kv[c], __fdiv_rn(e_n, denom)));
   }
+  store_vec(p.pooled + uint64_t{row} * kPoolDim + c0, out);
 }
 
 template <bool kPDL>
@@ -176,7 +162,7 @@ struct C2PoolEntry {
     p.raw64 = same_dtype(raw_out_loc.dtype(), dl::kI64);
     p.loc64 = same_dtype(out_loc.dtype(), dl::kI64);
     if (p.rows == 0) return;
-    launch(op, dev.dev, {div_ceil(p.rows, kPoolWarps), kPoolWarps * kWarpSize}, kPDL, c2_pool_kernel<kPDL>, p);
+    launch(op, dev.dev, {p.rows, kPoolThreads}, kPDL, c2_pool_kernel<kPDL>, p);
   }
 };
 

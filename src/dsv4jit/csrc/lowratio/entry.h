@@ -1,6 +1,5 @@
 // The host checks the ratio-1 and ratio-2 entry points share: the latent cache of a layout, the rope
-// table, the norm weight, positions and locations (int32 or int64), and the launch shape (a warp per
-// row). Every check runs before any launch.
+// table, the norm weight, positions and locations (int32 or int64). Every check runs before any launch.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -17,11 +16,6 @@ namespace dsv4::lowratio {
 
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
-
-inline constexpr int kWarpsPerBlock = 4;
-
-/// Blocks of kWarpsPerBlock warps for `warps` warps.
-inline unsigned blocks_for(uint64_t warps) { return div_ceil(warps, kWarpsPerBlock); }
 
 /// Checks what every c1 / c2 call takes beside its rows, and fills those parameters: `rows` is bound by
 /// the caller's first tensor.

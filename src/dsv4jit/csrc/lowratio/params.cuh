@@ -54,8 +54,9 @@ DSV4_DEV int64_t entry(const void* values, bool wide, uint64_t i) {
   return wide ? static_cast<const int64_t*>(values)[i] : static_cast<const int32_t*>(values)[i];
 }
 
+/// Reports a row's violation (a block holds the row: its first thread reports).
 DSV4_DEV void report(const Params& p, int32_t bit) {
-  if (p.s.status != nullptr && threadIdx.x % kWarpSize == 0) atomicOr(p.s.status, bit);
+  if (p.s.status != nullptr && threadIdx.x == 0) atomicOr(p.s.status, bit);
 }
 
 }  // namespace dsv4::lowratio

@@ -1,6 +1,7 @@
-// The steps of a latent row that the ratio-1 and ratio-2 compressors share (contract §10.4), on a
-// warp per row: lane j holds dims 128k + 4j .. +3 of each 128-dim chunk k, as the store family's
-// latent rows, so the store's codecs code it as they do there.
+// The steps of a latent row that the ratio-1 and ratio-2 compressors share (contract §10.4), on a block
+// per row: warp k holds the 128-dim chunk k and its lane j the dims 128k + 4j .. +3 (as a warp holds
+// one chunk of a latent row in the fused store step), so the store family's codecs code each chunk as
+// they do there, and a thread holds 4 dims (short chains: these kernels are latency-bound).
 //
 //   RMSNorm   L = bf((x · r) · w), r = 1 / sqrt(S / 512 + eps): the sum of squares S in fp64 and
 //             rounded once, the root and quotient in fp64 (as the torch reference: bit-exact with it)
@@ -21,59 +22,64 @@
 namespace dsv4::lowratio {
 
 inline constexpr int kChunks = kHeadDim / 128;
-inline constexpr int kRopeLane = (kHeadDim - store::kRopeDim) / 4 - 3 * kWarpSize;  // lane of dim 448 in chunk 3
+inline constexpr int kThreads = kChunks * kWarpSize;  // a block per row
+inline constexpr int kRopeLane = (kHeadDim - store::kRopeDim - 128 * (kChunks - 1)) / 4;  // lane of dim 448
 
-/// A lane's dims of a row: chunk k, dims 128k + 4j .. +3.
-using Lanes = float[kChunks][4];
-
-/// Lane j's norm weights (not written by any kernel: loaded before the upstream wait).
-DSV4_DEV void load_weight(const Params& p, int j, Lanes& w) {
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    const Vec<bf16_t, 4> v = load_vec<4>(p.norm_weight + 128 * k + 4 * j);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) w[k][c] = to_f32(v[c]);
+/// This thread's place in its row: chunk (its warp), lane, and its first dim.
+struct RowLane {
+  int chunk, lane, dim;
+  DSV4_DEV static RowLane of_thread() {
+    const int chunk = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    return {chunk, lane, 128 * chunk + 4 * lane};
   }
+  DSV4_DEV bool rope() const { return chunk == kChunks - 1 && lane >= kRopeLane; }
+};
+
+/// This thread's 4 dims of a row.
+using Dims = float[4];
+
+/// The norm weights of the thread's dims (not written by any kernel: loaded before the upstream wait).
+DSV4_DEV void load_weight(const Params& p, const RowLane& t, Dims& w) {
+  const Vec<bf16_t, 4> v = load_vec<4>(p.norm_weight + t.dim);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) w[c] = to_f32(v[c]);
 }
 
-/// Lane j's (cos, sin) pairs of the rope dims at `position` (lanes of the rope dims only; zeros
-/// elsewhere and for a position outside the table, whose row is not stored).
-DSV4_DEV Vec<float, 4> load_rope(const Params& p, int j, int64_t position) {
+/// The (cos, sin) pairs of the thread's rope dims at `position` (zeros elsewhere and for a position
+/// outside the table, whose row is not stored).
+DSV4_DEV Vec<float, 4> load_rope(const Params& p, const RowLane& t, int64_t position) {
   Vec<float, 4> f{};
-  if (j >= kRopeLane && position >= 0 && position < p.s.max_pos) {
-    f = load_vec<4>(p.s.freq + position * store::kRopeDim + 4 * (j - kRopeLane));
+  if (t.rope() && position >= 0 && position < p.s.max_pos) {
+    f = load_vec<4>(p.s.freq + position * store::kRopeDim + 4 * (t.lane - kRopeLane));
   }
   return f;
 }
 
 /// The row's latent, in place: RMSNorm with the weights `w`, each value rounded to bf16 (exact in x).
-DSV4_DEV void normalize_latent(const Params& p, Lanes& x, const Lanes& w) {
+/// Every thread of the block calls it (`partials`: the block's shared chunk sums).
+DSV4_DEV void normalize_latent(const Params& p, const RowLane& t, Dims& x, const Dims& w, double (&partials)[kChunks]) {
   double s = 0.0;
 #pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) s = __fma_rn(static_cast<double>(x[k][c]), static_cast<double>(x[k][c]), s);
-  }
+  for (int c = 0; c < 4; ++c) s = __fma_rn(static_cast<double>(x[c]), static_cast<double>(x[c]), s);
 #pragma unroll
   for (int m = kWarpSize / 2; m > 0; m /= 2) s += __shfl_xor_sync(kFullMask, s, m);
-  const float mean = __fadd_rn(static_cast<float>(s) / kHeadDim, p.eps);
+  if (t.lane == 0) partials[t.chunk] = s;
+  __syncthreads();
+  double total = partials[0];
+#pragma unroll
+  for (int k = 1; k < kChunks; ++k) total += partials[k];
+  const float mean = __fadd_rn(static_cast<float>(total) / kHeadDim, p.eps);
   const float r = static_cast<float>(1.0 / sqrt(static_cast<double>(mean)));
 #pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) x[k][c] = to_f32(from_f32<bf16_t>(__fmul_rn(__fmul_rn(x[k][c], r), w[k][c])));
-  }
+  for (int c = 0; c < 4; ++c) x[c] = to_f32(from_f32<bf16_t>(__fmul_rn(__fmul_rn(x[c], r), w[c])));
 }
 
-/// Writes lane j's dims of the latent to out[row].
-DSV4_DEV void write_out(const Params& p, uint32_t row, int j, const Lanes& x) {
+/// Writes the thread's dims of the latent to out[row].
+DSV4_DEV void write_out(const Params& p, uint32_t row, const RowLane& t, const Dims& x) {
+  Vec<bf16_t, 4> v;
 #pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    Vec<bf16_t, 4> v;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[c] = from_f32<bf16_t>(x[k][c]);
-    store_vec(p.out + uint64_t{row} * kHeadDim + 128 * k + 4 * j, v);
-  }
+  for (int c = 0; c < 4; ++c) v[c] = from_f32<bf16_t>(x[c]);
+  store_vec(p.out + uint64_t{row} * kHeadDim + t.dim, v);
 }
 
 /// Whether a row's location and RoPE position are in range: else reported and not stored.
@@ -86,20 +92,16 @@ DSV4_DEV bool storable(const Params& p, int64_t loc, int64_t position) {
 }
 
 /// Stores the latent `x` (consumed) at `loc` of a cache of format F, its rope dims rotated by `rope`
-/// (load_rope of the row's RoPE position). Every lane of the warp calls it.
+/// (load_rope of the row's RoPE position). Every thread of the block calls it.
 template <store::Format F>
-DSV4_DEV void store_latent(const Params& p, int j, int64_t loc, const Vec<float, 4>& rope, Lanes& x) {
-  if (j >= kRopeLane) {
+DSV4_DEV void store_latent(const Params& p, const RowLane& t, int64_t loc, const Vec<float, 4>& rope, Dims& x) {
+  if (t.rope()) {
     const float f[4] = {rope[0], rope[1], rope[2], rope[3]};
-    store::rotate_pairs(x[kChunks - 1], f);
-    store::round_to<bf16_t>(x[kChunks - 1]);
+    store::rotate_pairs(x, f);
+    store::round_to<bf16_t>(x);
   }
-  const store::Slot slot = store::slot_at<F>(p.s, loc);
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    if constexpr (!store::Layout<F>::kFp4Values) store::fp4_fake_quant(x[k]);
-    store::write_latent<F>(slot, 128 * k + 4 * j, store::encode_latent<F>(128 * k + 4 * j, x[k]));
-  }
+  if constexpr (!store::Layout<F>::kFp4Values) store::fp4_fake_quant(x);
+  store::write_latent<F>(store::slot_at<F>(p.s, loc), t.dim, store::encode_latent<F>(t.dim, x));
 }
 
 }  // namespace dsv4::lowratio
