@@ -14,6 +14,7 @@ the key because modules link neither.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITToolchainError
+from ..errors import DSV4JITCacheError, DSV4JITToolchainError
 from .registry import Variant
 from .toolchain import Arch
 
@@ -320,3 +321,12 @@ def unwritable(root: Path) -> str | None:
     except OSError as e:
         return e.strerror or str(e)
     return None if os.access(root, os.W_OK | os.X_OK) else "write access denied"
+
+
+def write_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") -> DSV4JITCacheError:
+    """A failed write into the cache (no permission, a full disk, a read-only or too long path, a
+    folder where a file belongs, ...) as the place, the reason and the variable that moves it."""
+    path = f" ({e.filename})" if e.filename and Path(e.filename) != where else ""
+    fix = "a shorter path" if e.errno == errno.ENAMETOOLONG else "a writable folder with free space"
+    return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror or e}{path}; "
+                             f"set {setting} to {fix}")

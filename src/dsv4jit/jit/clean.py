@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import env
 from . import cache, loader
-from .build import KeyLock, lock_file
+from .lock import KeyLock, lock_file
 from .kernels import SPECS
 from .registry import parse_variant_id
 from .toolchain import Arch

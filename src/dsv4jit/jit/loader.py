@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITCacheMiss, DSV4JITToolchainError
-from . import build, cache
+from . import build, cache, compiler
 from .kernels import SPECS
 from .registry import Variant
 from .toolchain import Arch, Toolchain, resolve_arch, toolchain
@@ -42,7 +42,7 @@ class Resolution:
     root: Path  # the write root, where a build of it goes
     info: cache.KeyInfo | None
     entry: Path | None  # verified against its manifest
-    command: build.Command | None
+    command: compiler.Command | None
     toolchain_error: DSV4JITToolchainError | None = None
     damaged: tuple[cache.Damaged, ...] = ()  # entries of this variant found on the way that failed the check
 
@@ -58,11 +58,11 @@ def resolve(variant: Variant, arch: Arch, root: Path | None = None) -> Resolutio
     if tc is None:
         # No compiler here (e.g. a serving image with a baked cache): match on everything else.
         # Normalised commands name compilers by token, so a placeholder toolchain gives the same one.
-        command = build.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
+        command = compiler.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
         info = cache.make_key(variant, arch, command.normalized, None)
         entry, damaged = cache.find_entry(variant, arch, None, info.source_key, root)
         return Resolution(variant, arch, root, None, entry, None, error, tuple(damaged))
-    command = build.compile_command(variant, arch, tc)
+    command = compiler.compile_command(variant, arch, tc)
     info = cache.make_key(variant, arch, command.normalized, tc.identity(host_only=arch.is_host))
     entry, damaged = cache.find_entry(variant, arch, info, root=root)
     return Resolution(variant, arch, root, info, entry, command, None, tuple(damaged))
@@ -116,10 +116,10 @@ def _reason(res: Resolution, distrust: cache.Damaged | None) -> str:
 
 
 def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None = None,
-                   stop: build.Stop | None = None) -> build.Built:
+                   stop: compiler.Stop | None = None) -> build.Built:
     """Build a resolved variant (`res.info` set: a toolchain was found) into its write root. Damaged
     entries outside the write root, which dsv4jit never modifies, are reported and left; the builder
-    moves the write root's aside. `stop`: that of the batch this build is part of (`build.Stop`)."""
+    moves the write root's aside. `stop`: that of the batch this build is part of (`compiler.Stop`)."""
     own = cache.entry_dir(res.root, res.arch, res.variant, res.info.key)
     for d in res.damaged:
         if d.entry != own:
