@@ -327,8 +327,15 @@ def test_a_toolchain_file_of_the_wrong_form_is_recomputed(form, published, cache
     assert json.loads(file.read_text()) == table
 
 
-@pytest.mark.parametrize("owner", ["[1, 2]", '"pid 1"', '{"pid": "1", "host": "h"}', '{"pid": -1, "host": "h"}'])
+#: A pid past pid_t's range, on this host: checking whether that process lives used to raise OverflowError.
+BIG_PID = json.dumps({"pid": 2**32, "host": socket.gethostname()})
+
+
+@pytest.mark.parametrize("owner", ["[1, 2]", '"pid 1"', '{"pid": "1", "host": "h"}', '{"pid": -1, "host": "h"}',
+                                   BIG_PID, '{"pid": NaN, "host": "h"}', '{"pid": 1, "host": "h\\u0000"}',
+                                   "[" * 100_000])
 def test_an_owner_file_of_the_wrong_form_is_one_that_cannot_be_read(owner, published, monkeypatch, selftest, arch):
+    """Hostile forms included: each of the last four used to crash the waiter or every builder of the key."""
     entry, counter = published
     shutil.rmtree(entry)
     lock = entry.with_name(entry.name + ".lock")
@@ -359,6 +366,126 @@ def test_a_lock_path_that_is_a_folder_is_a_cache_error(published, selftest, arch
                                                 rf"\({re.escape(str(lock))}\); set DSV4JIT_CACHE_DIR"):
         loader.load(selftest, arch)
     assert counted(counter) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile metadata: files that parse, or nearly, but not within the bounds (jit/metadata.py)
+
+
+def _nested(path: Path) -> None:
+    path.write_text("[" * 100_000)  # json's decoder recursed once per level: RecursionError
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)  # opened for reading, it used to block until a writer came
+
+
+# name -> (harm done to the entry, the problem the WARNING states after "manifest.json is malformed: ").
+HOSTILE_MANIFESTS = {
+    "nested 100000 deep": (lambda e: _nested(e / "manifest.json"), "nested deeper than 16 levels"),
+    "a NUL in a string": (lambda e: _rewrite_manifest(e, variant="selftest\0"), "a NUL character in the text"),
+    "built_at NaN": (lambda e: _rewrite_manifest(e, built_at=float("nan")), "a number that is not finite (NaN)"),
+    "size Infinity": (lambda e: _rewrite_manifest(e, size=float("inf")), "a number that is not finite (Infinity)"),
+    "build_seconds 1e999": (lambda e: (e / "manifest.json").write_text(
+        (e / "manifest.json").read_text().replace('"build_seconds": ', '"build_seconds": 1e999, "was": ')),
+        "a number out of range (1e999)"),
+    "size negative": (lambda e: _rewrite_manifest(e, size=-1), "its 'size' is -1"),
+    "over 1 MiB": (lambda e: _rewrite_manifest(e, depfile=["x" * (1 << 20)]), "larger than 1048576 bytes"),
+    "a FIFO": (lambda e: _fifo(e / "manifest.json"), "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("form", HOSTILE_MANIFESTS)
+def test_a_hostile_manifest_is_a_damaged_entry_for_every_reader(form, published, caplog, capsys, selftest, arch):
+    """Every command that reads the cache runs (the nested one ended each in "internal error (exit
+    3)"), and precompile moves the entry aside and rebuilds it once."""
+    entry, counter = published
+    harm, problem = HOSTILE_MANIFESTS[form]
+    harm(entry)
+    capsys.readouterr()
+    for argv in (["list", "--entries"], ["list", "--kernel", "selftest"], ["info", SELFTEST_ID],
+                 ["clean", "--all", "--dry-run"], ["clean", "--stale", "--orphans", "--older-than", "1d", "--dry-run"]):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["built"] == 1
+    [warning] = _warnings(caplog)
+    assert f"(manifest.json is malformed: {problem}" in warning and "moved it to .bad-" in warning
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert counted(counter) == 2  # the first build and one rebuild; the load is a hit
+
+
+def test_a_hostile_manifest_where_nothing_can_be_built_is_a_cache_error_naming_it(published, monkeypatch, capsys,
+                                                                                  selftest, arch):
+    entry, counter = published
+    _nested(entry / "manifest.json")
+    monkeypatch.setattr(cache, "unwritable", lambda root: "write access denied")  # root ignores permission bits
+    with pytest.raises(DSV4JITCacheError, match=rf"the entry at {re.escape(str(entry))} is damaged: manifest\.json is "
+                                                r"malformed: nested deeper than 16 levels\) and the kernel cache dir "
+                                                r".* is not writable"):
+        loader.load(selftest, arch)
+    capsys.readouterr()
+    assert cli.main(["precompile", "--kernel", "selftest"]) == 1  # a failed build, not an internal error
+    assert counted(counter) == 1
+
+
+# name -> the text of toolchain.json, from the table it held.
+HOSTILE_TOOLCHAINS = {
+    "nested 100000 deep": lambda table: "[" * 100_000,
+    "a NUL in a dependency path": lambda table: json.dumps(
+        {name: record | {"deps": {"/usr/bin/nvcc\0": None}} for name, record in table.items()}),
+    "a NaN in a stamp": lambda table: json.dumps(
+        {name: record | {"stamp": [record["stamp"][0], float("nan"), 0]} for name, record in table.items()}),
+}
+
+
+@pytest.mark.parametrize("form", HOSTILE_TOOLCHAINS)
+def test_a_hostile_toolchain_file_is_recomputed(form, published, capsys, cache_dir, selftest, arch):
+    """The NUL made every load raise "ValueError: embedded null byte", and list and info exit 3."""
+    entry, counter = published
+    file = cache_dir / "toolchain.json"
+    table = json.loads(file.read_text())
+    file.write_text(HOSTILE_TOOLCHAINS[form](table))
+    toolchain.reset()
+    capsys.readouterr()
+    assert cli.main(["list", "--kernel", "selftest", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["variants"]
+    assert row["status"] == "cached" and row["entry"] == str(entry)
+    assert json.loads(file.read_text()) == table  # replaced by the recomputed identity
+    file.write_text(HOSTILE_TOOLCHAINS[form](table))
+    toolchain.reset()
+    assert cli.main(["info"]) == 0
+    assert loader.resolve(selftest, arch).entry == entry
+
+
+def _failure(failed_at) -> str:
+    return json.dumps({"first_error": "an old failure", "failed_at": failed_at, "log": "build.log",
+                       "command": "nvcc", "pid": 1, "host": socket.gethostname()})
+
+
+FAILURE_RECORDS = {
+    "failed_at NaN": lambda: _failure(float("nan")),
+    "failed_at Infinity": lambda: _failure(float("inf")),
+    "failed_at in an hour": lambda: _failure(time.time() + 3600),  # another host's clock, on a shared cache
+    "nested 100000 deep": lambda: "[" * 100_000,
+}
+
+
+@pytest.mark.parametrize("form", FAILURE_RECORDS)
+def test_a_failure_record_not_of_a_finite_past_time_expires(form, published, capsys, cache_dir, selftest, arch):
+    """Each used to block the key for good (every load and precompile reported the old failure and
+    never compiled again), or crashed the builder."""
+    entry, counter = published
+    shutil.rmtree(entry)
+    failed = cache.failed_dir(cache_dir) / entry.name
+    failed.mkdir(parents=True)
+    (failed / "failure.json").write_text(FAILURE_RECORDS[form]())
+    capsys.readouterr()
+    assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["built"] == 1
+    assert counted(counter) == 2 and cache.entry_problem(entry) is None
 
 
 # --------------------------------------------------------------------------------------------

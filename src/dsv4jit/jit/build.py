@@ -28,7 +28,7 @@ from typing import Iterable
 
 from .. import __version__, env
 from ..errors import DSV4JITBuildError, DSV4JITCacheError
-from . import cache, progress
+from . import cache, metadata, progress
 from .compiler import WRAPPER, Command, Stop, check_depfile, depfile_paths, first_error, run_compiler, timed_out
 from .lock import OWNER_FIELDS, KeyLock, lock_file, read_owner
 from .registry import Variant
@@ -75,8 +75,9 @@ def not_cached(variant: Variant, arch: Arch, key: str | None, why: str, fix: str
             f"(key {key or '(unknown: no toolchain)'}; searched {searched}). Fix: {fix}")
 
 
-def build_root(variant: Variant, arch: Arch, key: str, root: Path) -> Path:
-    """The write root `root`, or a per-process temp root when it is not writable and the fallback allows."""
+def build_root(variant: Variant, arch: Arch, key: str, root: Path, damaged: Iterable[cache.Damaged] = ()) -> Path:
+    """The write root `root`, or a per-process temp root when it is not writable and the fallback allows
+    (else the cache error names the `damaged` entries the lookup met, which nothing can replace)."""
     problem = cache.unwritable(root)
     if problem is None:
         return root
@@ -92,7 +93,7 @@ def build_root(variant: Variant, arch: Arch, key: str, root: Path) -> Path:
         variant, arch, key, f"the kernel cache dir {root} is not writable ({problem})",
         "set DSV4JIT_CACHE_DIR to a writable folder, or DSV4JIT_CACHE_FALLBACK=tmp to build into a temporary "
         f"folder, or precompile it into a cache this process searches (DSV4JIT_CACHE_PATH): {fix_command(variant, arch)}",
-        root))
+        root, damaged))
 
 
 _TMP_ROOT: list[Path] = []
@@ -116,11 +117,13 @@ class Built:
 
 
 def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, command: Command, reason: str,
-          load_module, root: Path, distrust: cache.Damaged | None = None, stop: Stop | None = None) -> Built:
+          load_module, root: Path, distrust: cache.Damaged | None = None, stop: Stop | None = None,
+          damaged: Iterable[cache.Damaged] = ()) -> Built:
     """Build and publish into the write root `root` under the per-key lock. `distrust`: the entry of
     this key, which verified but did not load here; it is moved aside and rebuilt like a damaged one.
-    `stop`: the batch's (see `Stop`)."""
-    root = build_root(variant, arch, info.key, root)
+    `stop`: the batch's (see `Stop`). `damaged`: what the lookup found damaged (for the error where
+    nothing can be built)."""
+    root = build_root(variant, arch, info.key, root, damaged)
     folder = cache.kernel_dir(root, arch, variant)
     entry = cache.entry_dir(root, arch, variant, info.key)
     try:
@@ -205,7 +208,7 @@ def _compile_and_check(variant, arch, info, command, stage, failed, load_module,
     return module, seconds
 
 
-FAILURE_FIELDS = {"first_error": str, "failed_at": (int, float), "log": str, "command": str, **OWNER_FIELDS}
+FAILURE_FIELDS = {"first_error": str, "failed_at": metadata.NUMBER, "log": str, "command": str, **OWNER_FIELDS}
 
 
 def _fail(variant, arch, stage, failed, command, first_error) -> None:
@@ -240,9 +243,11 @@ def _fail(variant, arch, stage, failed, command, first_error) -> None:
 def _failure_since(failed: Path, variant: Variant, arch: Arch, since: float) -> DSV4JITBuildError | None:
     """The failure of this key that `_fail` recorded at or after `since` (when this process began to
     wait for the key lock): the build this process waited for failed, and compiling again would
-    fail the same way, or hang as long, once per waiting process. A later process tries again."""
-    record, _ = cache.read_json(failed / FAILURE, FAILURE_FIELDS)
-    if record is None or record["failed_at"] < since:
+    fail the same way, or hang as long, once per waiting process. A later process tries again, and
+    so does any process where the record's time is still to come (another host's clock, or a file
+    written by hand), which would otherwise block the key for good."""
+    record, _ = metadata.read(failed / FAILURE, FAILURE_FIELDS)
+    if record is None or not since <= record["failed_at"] <= time.time():
         return None
     return DSV4JITBuildError(variant.id, arch.name, f"{record['first_error']} (in the build of pid {record['pid']} "
                              f"on host {record['host']}, which this process waited for; not compiled again)",

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITCacheError, DSV4JITToolchainError
+from . import metadata
 from .registry import Variant
 from .toolchain import Arch
 
@@ -217,32 +218,16 @@ def module_record(module: Path) -> dict:
     return {"size": module.stat().st_size, "sha256": _sha256_file(module)}
 
 
-#: The fields of ``manifest.json`` (build.py writes them) and their JSON types: a manifest with a
-#: field missing or of another type is damaged, like one that does not parse.
+#: The fields of ``manifest.json`` (build.py writes them) and their kinds (`metadata.read`): a
+#: manifest with a field missing or of another kind is damaged, like one that does not parse.
 MANIFEST_FIELDS = {"key": str, "source_key": str, "variant": str, "arch": str, "document": dict,
-                   "built_at": (int, float), "build_seconds": (int, float), "size": int, "sha256": str,
-                   "dsv4jit_version": str, "depfile": list}
-
-
-def read_json(path: Path, fields: dict) -> tuple[dict | None, str | None]:
-    """The JSON object in `path` if each of `fields` (name: type) is there with its type, else None
-    and why not. Every file the cache reads goes through here, so that one written by hand, by a
-    broken writer or by another version counts as missing or damaged, never as a crash."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None, "missing or unreadable"
-    if not isinstance(value, dict):
-        return None, f"malformed: not a JSON object ({json.dumps(value)[:40]})"
-    for field, kind in fields.items():
-        if not isinstance(value.get(field), kind) or isinstance(value.get(field), bool):
-            return None, f"malformed: its {field!r} is {json.dumps(value.get(field))[:40]}"
-    return value, None
+                   "built_at": metadata.NUMBER, "build_seconds": metadata.NUMBER, "size": metadata.COUNT,
+                   "sha256": str, "dsv4jit_version": str, "depfile": list}
 
 
 def read_manifest(entry: Path) -> dict | None:
     """The entry's manifest when it parses and has every field of its type (`MANIFEST_FIELDS`)."""
-    return read_json(entry / "manifest.json", MANIFEST_FIELDS)[0]
+    return metadata.read(entry / "manifest.json", MANIFEST_FIELDS)[0]
 
 
 def entry_problem(entry: Path, key: str | None = None) -> str | None:
@@ -252,7 +237,7 @@ def entry_problem(entry: Path, key: str | None = None) -> str | None:
     of another variant would load silently. Costs a stat and a sha256 of the module (about 1 ms
     per MB), once per variant and process.
     """
-    manifest, problem = read_json(entry / "manifest.json", MANIFEST_FIELDS)
+    manifest, problem = metadata.read(entry / "manifest.json", MANIFEST_FIELDS)
     if problem is not None:
         return f"manifest.json is {problem}"
     if key is not None and manifest["key"] != key:

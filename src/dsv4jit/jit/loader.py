@@ -127,7 +127,7 @@ def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None 
                         d.entry, d.problem)
     tc = toolchain(need_cuda=not res.arch.is_host, root=res.root)
     return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, res.root, distrust,
-                       stop)
+                       stop, res.damaged)
 
 
 def variant(kernel: str, **params) -> Variant:

@@ -18,7 +18,7 @@ import filelock
 
 from .. import env
 from ..errors import DSV4JITLockTimeout
-from . import cache
+from . import cache, metadata
 from .compiler import Stop
 
 log = logging.getLogger("dsv4jit")
@@ -37,13 +37,14 @@ def lock_file(root: Path, entry: Path) -> Path:
     return base / f"{entry.name}.lock"
 
 
-OWNER_FIELDS = {"pid": int, "host": str}
+#: What an owner file must hold (`metadata.read`); "since" and "variant" are for people.
+OWNER_FIELDS = {"pid": metadata.PID, "host": str}
 
 
 def read_owner(path: Path) -> tuple[int, str] | None:
     """(pid, host) of an owner file (a stage's ``owner.json``, a lock's ``.owner``), or None."""
-    owner, _ = cache.read_json(path, OWNER_FIELDS)
-    return (owner["pid"], owner["host"]) if owner is not None and owner["pid"] > 0 else None
+    owner, _ = metadata.read(path, OWNER_FIELDS)
+    return (owner["pid"], owner["host"]) if owner is not None else None
 
 
 class KeyLock:

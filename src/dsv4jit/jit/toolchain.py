@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITSettingError, DSV4JITToolchainError
+from . import metadata
 
 _NVCC_SEARCH = "DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda"
 
@@ -147,12 +148,7 @@ def _cached(kind: str, path: Path, compute, valid, cache_file: Path):
     else ``compute()`` (value, files it depends on), stored. A file or record of another form (written
     by hand, or by a broken writer) counts as absent and is replaced."""
     stamp = _stat_key(path)
-    try:
-        table = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
+    table = metadata.load(cache_file)[0] or {}
     entry = table.get(f"{kind}:{path}")
     if (isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("deps"), dict)
             and all(_safe_stat(Path(p)) == s for p, s in entry["deps"].items()) and valid(entry.get("value"))):
