@@ -31,7 +31,7 @@ from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMis
 from dsv4jit.jit import cache, loader, toolchain
 from dsv4jit.jit.toolchain import Arch
 from helpers.child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
-from helpers.jit_env import SELFTEST_ID, entries_on_disk, stages_on_disk
+from helpers.jit_env import SELFTEST_ID, copy_entry, entries_on_disk, stages_on_disk
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 
@@ -56,8 +56,8 @@ def _rewrite_manifest(entry: Path, **changes) -> None:
 
 
 def _replace(module: Path, data: bytes) -> None:
-    """New contents for a module file, as a new file: this test process has the old one mapped (it
-    built and loaded it), and cutting a mapped file short would crash it with SIGBUS."""
+    """New contents for a module file, as a new file (an atomic replace, as a careful writer does;
+    writers in place are `IN_PLACE`'s)."""
     fresh = module.with_name(module.name + ".new")
     fresh.write_bytes(data)
     os.replace(fresh, module)
@@ -118,7 +118,7 @@ def test_damaged_entry_is_moved_aside_and_rebuilt_once(damage, published, selfte
     [warning] = warnings
     assert re.search(problem, warning) and str(entry) in warning and "moved it to .bad-" in warning
     assert counted(counter) == 2  # the first build and one rebuild
-    assert cache.entry_problem(entry, key) is None
+    assert cache.verified_module(entry, key)[1] is None
     [aside] = entry.parent.glob(f".bad-{entry.name}-*")  # kept for inspection, as it was
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == damaged_files
     loader.load(selftest, arch)
@@ -133,10 +133,10 @@ def test_verified_entry_that_does_not_load_here_is_rebuilt_once(published, monke
     real_load = loader._load_module
     stages_too = []
 
-    def load(path: Path):
+    def load(path: Path, image: bytes):
         if path.parent == entry or (stages_too and path.parent.name.startswith(".stage-")):
             raise RuntimeError("libexample.so.1: cannot open shared object file")
-        return real_load(path)
+        return real_load(path, image)
 
     monkeypatch.setattr(loader, "_load_module", load)
     with caplog.at_level(logging.INFO, logger="dsv4jit"):
@@ -256,16 +256,16 @@ def test_an_unreadable_module_is_a_damaged_entry_not_a_crash(published, monkeypa
 
 
 def test_an_entry_removed_during_its_lookup_is_a_miss(published, monkeypatch, selftest, arch):
-    """A `clean` removes the entry between the lookup's stat of module.so and its sha256."""
+    """A `clean` removes the entry between the lookup's stat of module.so and its read."""
     entry, counter = published
-    sha256 = cache._sha256_file
+    read = cache._read_module
 
-    def cleaned_first(path: Path) -> str:
+    def cleaned_first(path: Path) -> bytes:
         if path == entry / "module.so":
             shutil.rmtree(entry)
-        return sha256(path)
+        return read(path)
 
-    monkeypatch.setattr(cache, "_sha256_file", cleaned_first)
+    monkeypatch.setattr(cache, "_read_module", cleaned_first)
     assert type(loader.load(selftest, arch).affine).__name__ == "Function"
     assert counted(counter) == 2 and (entry / "manifest.json").is_file()  # rebuilt
 
@@ -366,6 +366,70 @@ def test_a_lock_path_that_is_a_folder_is_a_cache_error(published, selftest, arch
                                                 rf"\({re.escape(str(lock))}\); set DSV4JIT_CACHE_DIR"):
         loader.load(selftest, arch)
     assert counted(counter) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# A loaded module whose file is overwritten in place
+
+
+# name -> what is done to `module` (the entry's module.so, loaded in the child) from within that child,
+# as from another process: each keeps the file's inode, which the loaded code used to map.
+IN_PLACE = {
+    "truncated": "os.truncate(module, 0)",
+    "cut short": "os.truncate(module, module.stat().st_size // 2)",
+    "overwritten by cp": f"shutil.copyfile({str(FOREIGN_MODULE)!r}, module)",  # cp opens it O_TRUNC, then writes
+}
+
+PLAN_THEN_HARM = """
+import os, shutil, torch
+from dsv4jit.jit import loader
+from dsv4jit.jit.toolchain import Arch
+from dsv4jit.plan import CompressorDecodePlan
+
+def plan():
+    tables = (torch.arange(2 * 64, dtype=torch.int32).view(2, 64), torch.arange(1024))
+    return CompressorDecodePlan.generate(4, torch.tensor([0, 1]), *tables, torch.tensor([5, 9]), 256, 8).plan_d
+
+first = plan()
+module = loader.resolve(loader.variant("plan_host"), Arch.host()).entry / "module.so"
+HARM
+assert plan().equal(first)
+print("survived")
+"""
+
+BUILD_THEN_HARM = CHILD_PRELUDE + """
+import shutil
+loaded = loader.load(VARIANT, ARCH)  # built in this process
+module = loader.resolve(VARIANT, ARCH).entry / "module.so"
+HARM
+print(type(loaded.affine).__name__)  # looked up in the loaded library's symbol table
+print("survived")
+"""
+
+
+def _run_child(script: str, harm: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-c", script.replace("HARM", IN_PLACE[harm])], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("harm", IN_PLACE)
+def test_a_module_overwritten_in_place_under_a_live_process_does_not_kill_it(harm, host_planner, cache_dir):
+    """Load the CPU planner, plan, change its module.so in place, plan again: the second plan used
+    to die of SIGBUS (exit 135 in a shell; all four loaders of a concurrent trial did)."""
+    copy_entry(cache_dir, host_planner)
+    run = _run_child(PLAN_THEN_HARM, harm)
+    assert run.returncode == 0 and run.stdout.split()[-1] == "survived", (run.returncode, run.stderr[-2000:])
+    assert loader.resolve(loader.variant("plan_host"), Arch.host()).entry is None  # damaged now: rebuilt if loaded
+
+
+@pytest.mark.parametrize("harm", IN_PLACE)
+def test_a_module_built_in_this_process_and_overwritten_in_place_does_not_kill_it(harm, fake_nvcc, prebuilt,
+                                                                                   monkeypatch):
+    """The builder loads the module it built, which then becomes the entry's: the same rule."""
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    run = _run_child(BUILD_THEN_HARM, harm)
+    assert run.returncode == 0 and run.stdout.split()[-2:] == ["Function", "survived"], \
+        (run.returncode, run.stderr[-2000:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,7 +549,7 @@ def test_a_failure_record_not_of_a_finite_past_time_expires(form, published, cap
     capsys.readouterr()
     assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["summary"]["built"] == 1
-    assert counted(counter) == 2 and cache.entry_problem(entry) is None
+    assert counted(counter) == 2 and cache.verified_module(entry)[1] is None
 
 
 # --------------------------------------------------------------------------------------------

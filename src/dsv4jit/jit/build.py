@@ -119,7 +119,8 @@ class Built:
 def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, command: Command, reason: str,
           load_module, root: Path, distrust: cache.Damaged | None = None, stop: Stop | None = None,
           damaged: Iterable[cache.Damaged] = ()) -> Built:
-    """Build and publish into the write root `root` under the per-key lock. `distrust`: the entry of
+    """Build and publish into the write root `root` under the per-key lock; `load_module(path, image)`
+    loads a module from its bytes (`image`, read from `path`). `distrust`: the entry of
     this key, which verified but did not load here; it is moved aside and rebuilt like a damaged one.
     `stop`: the batch's (see `Stop`). `damaged`: what the lookup found damaged (for the error where
     nothing can be built)."""
@@ -137,10 +138,10 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
             raise failure
         if os.path.isdir(entry) and not env.force_rebuild():
             distrusted = distrust is not None and distrust.entry == entry
-            problem = distrust.problem if distrusted else cache.entry_problem(entry, info.key)
-            if problem is None:  # published by another process while this one waited
+            image, problem = (None, distrust.problem) if distrusted else cache.verified_module(entry, info.key)
+            if image is not None:  # published by another process while this one waited
                 try:
-                    module = load_module(entry / "module.so")
+                    module = load_module(entry / "module.so", image)
                 except Exception as e:  # noqa: BLE001 - an entry that does not load is rebuilt once
                     problem = f"it does not load: {e}"
                 else:
@@ -160,10 +161,11 @@ def build(variant: Variant, arch: Arch, tc: Toolchain, info: cache.KeyInfo, comm
         log.info("dsv4jit: compiling %s for %s (reason: %s; key %s) ...", variant.id, arch, reason, info.key)
         try:
             with progress.compiling(f"{variant.id} for {arch}"):
-                module, seconds = _compile_and_check(variant, arch, info, command, stage, failed, load_module, stop)
+                module, image, seconds = _compile_and_check(variant, arch, info, command, stage, failed, load_module,
+                                                            stop)
             if stop is not None:
                 stop.check()  # stopped while loading: publish nothing more
-            _publish(stage, entry, info, variant, arch, seconds)
+            _publish(stage, entry, info, variant, arch, image, seconds)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         log.info("dsv4jit: ... %s done in %.1fs -> %s", variant.id, seconds, entry)
@@ -199,13 +201,14 @@ def _compile_and_check(variant, arch, info, command, stage, failed, load_module,
         _fail(variant, arch, stage, failed, command, timed_out(timeout) if code is None else first_error(output, code))
     check_depfile(variant, stage, info.document["headers"])
     try:
-        module = load_module(stage / "module.so")
+        image = (stage / "module.so").read_bytes()  # what the manifest records is what was loaded
+        module = load_module(stage / "module.so", image)
         missing = [name for name in variant.exports() if not hasattr(module, name)]
         if missing:
             raise RuntimeError(f"exports missing from the built module: {missing}")
     except Exception as e:  # noqa: BLE001 - any load failure is a build failure
         _fail(variant, arch, stage, failed, command, f"built module does not load: {e}")
-    return module, seconds
+    return module, image, seconds
 
 
 FAILURE_FIELDS = {"first_error": str, "failed_at": metadata.NUMBER, "log": str, "command": str, **OWNER_FIELDS}
@@ -254,12 +257,13 @@ def _failure_since(failed: Path, variant: Variant, arch: Arch, since: float) -> 
                              record["log"], record["command"])
 
 
-def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, arch: Arch, seconds: float) -> None:
+def _publish(stage: Path, entry: Path, info: cache.KeyInfo, variant: Variant, arch: Arch, image: bytes,
+             seconds: float) -> None:
     try:
         manifest = {
             "key": info.key, "source_key": info.source_key, "variant": variant.id, "arch": arch.name,
             "document": info.document, "built_at": time.time(), "build_seconds": round(seconds, 3),
-            **cache.module_record(stage / "module.so"), "dsv4jit_version": __version__,
+            **cache.module_record(image), "dsv4jit_version": __version__,
             "depfile": sorted(depfile_paths(stage / "deps.d")),
         }
         for name in ("owner.json", "deps.d"):

@@ -213,9 +213,13 @@ def folders(folder: Path, pattern: str) -> list[Path]:
         return []
 
 
-def module_record(module: Path) -> dict:
-    """What a manifest records of ``module.so``, checked before every dlopen (see `entry_problem`)."""
-    return {"size": module.stat().st_size, "sha256": _sha256_file(module)}
+def module_record(image: bytes) -> dict:
+    """What a manifest records of ``module.so`` (its bytes), checked before every load (`verified_module`)."""
+    return {"size": len(image), "sha256": hashlib.sha256(image).hexdigest()}
+
+
+def _read_module(module: Path) -> bytes:
+    return module.read_bytes()
 
 
 #: The fields of ``manifest.json`` (build.py writes them) and their kinds (`metadata.read`): a
@@ -230,36 +234,38 @@ def read_manifest(entry: Path) -> dict | None:
     return metadata.read(entry / "manifest.json", MANIFEST_FIELDS)[0]
 
 
-def entry_problem(entry: Path, key: str | None = None) -> str | None:
-    """Why the entry folder must not be loaded, or None when ``module.so`` matches its manifest.
+def verified_module(entry: Path, key: str | None = None) -> tuple[bytes | None, str | None]:
+    """The bytes of the entry's ``module.so`` when they match its manifest (and the manifest names
+    `key`), else None and why the entry must not be loaded.
 
-    Checked before dlopen because a truncated module can kill the process with SIGBUS and a module
-    of another variant would load silently. Costs a stat and a sha256 of the module (about 1 ms
-    per MB), once per variant and process.
+    Checked before loading because a truncated module kills the process with SIGBUS and a module of
+    another variant would load silently. The bytes checked are the ones a load maps, from a private
+    copy (loader.py), so that nothing done to the file after the check reaches the process. Costs
+    reading and hashing the module (about 1 ms per MB), once per variant and process.
     """
     manifest, problem = metadata.read(entry / "manifest.json", MANIFEST_FIELDS)
     if problem is not None:
-        return f"manifest.json is {problem}"
+        return None, f"manifest.json is {problem}"
     if key is not None and manifest["key"] != key:
-        return f"manifest.json is for key {manifest['key']}, not {key}"
+        return None, f"manifest.json is for key {manifest['key']}, not {key}"
     module = entry / "module.so"
     try:  # it may be unreadable (permissions), or removed meanwhile by a concurrent clean
-        size = module.stat().st_size
+        size = module.stat().st_size  # before reading: a file of another size is not read at all
         if size != manifest["size"]:
-            return f"module.so has {size} bytes, the manifest records {manifest['size']}"
-        digest = _sha256_file(module)
+            return None, f"module.so has {size} bytes, the manifest records {manifest['size']}"
+        image = _read_module(module)
     except OSError as e:
-        return f"module.so cannot be read ({e.strerror})"
-    if digest != manifest["sha256"]:
-        return "module.so does not match the sha256 in manifest.json"
-    return None
+        return None, f"module.so cannot be read ({e.strerror})"
+    if module_record(image) != {"size": manifest["size"], "sha256": manifest["sha256"]}:
+        return None, "module.so does not match the sha256 in manifest.json"
+    return image, None
 
 
 def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: str | None = None,
-               root: Path | None = None) -> tuple[Path | None, list[Damaged]]:
-    """First verified entry in the roots (`roots`), and the damaged ones met on the way. With no
-    toolchain (``info`` None) match on the source key. A root that cannot be read is searched as an
-    empty one."""
+               root: Path | None = None) -> tuple[Path | None, bytes | None, list[Damaged]]:
+    """First verified entry in the roots (`roots`) with its module's bytes (`verified_module`), and
+    the damaged ones met on the way. With no toolchain (``info`` None) match on the source key. A
+    root that cannot be read is searched as an empty one."""
     damaged: list[Damaged] = []
     for searched in roots(root):
         if info is not None:
@@ -272,11 +278,11 @@ def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: s
         for entry in candidates:
             if not os.path.isdir(entry):  # False, not an error, where the path cannot be read
                 continue
-            problem = entry_problem(entry, info.key if info is not None else None)
-            if problem is None:
-                return entry, damaged
+            image, problem = verified_module(entry, info.key if info is not None else None)
+            if image is not None:
+                return entry, image, damaged
             damaged.append(Damaged(entry, problem))
-    return None, damaged
+    return None, None, damaged
 
 
 def iter_entries(root: Path):
