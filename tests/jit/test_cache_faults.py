@@ -232,6 +232,17 @@ def test_an_unreadable_write_root_is_a_miss_and_the_search_roots_serve(published
     assert counted(counter) == 1
 
 
+def test_clean_of_an_unreadable_root_says_so(published, monkeypatch, capsys, cache_dir):
+    """It used to print "freed 0 bytes" and nothing else."""
+    _deny(monkeypatch, lambda path: path.is_relative_to(cache_dir))
+    capsys.readouterr()
+    assert cli.main(["clean", "--all"]) == 1
+    assert capsys.readouterr().err == (f"dsv4jit: cannot read the kernel cache at {cache_dir}: Permission denied; "
+                                       "nothing was removed (clean needs to read and write DSV4JIT_CACHE_DIR)\n")
+    monkeypatch.undo()
+    assert cli.main(["clean", "--all", "--dry-run"]) == 0 and published[0].is_dir()
+
+
 def test_an_unreadable_module_is_a_damaged_entry_not_a_crash(published, monkeypatch, caplog, selftest, arch):
     entry, counter = published
     real_stat, inode = os.stat, (entry / "module.so").stat().st_ino
@@ -608,6 +619,22 @@ def test_dead_or_interrupted_builder_takes_its_compiler_down(how, fake_nvcc, pre
         assert "KeyboardInterrupt" in err
         assert stages_on_disk(cache_dir) == []
     assert entries_on_disk(cache_dir) == []
+
+
+def test_a_build_log_deleted_during_the_compile_is_not_a_cache_error(fake_nvcc, prebuilt, tmp_path, monkeypatch,
+                                                                     cache_dir, selftest, arch):
+    """It was reported as an unwritable cache; the compile's output is read back through the open file."""
+    started = tmp_path / "started"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, started=started, sleep=2)))
+    loaded = []
+    builder = threading.Thread(target=lambda: loaded.append(loader.load(selftest, arch)))
+    builder.start()
+    wait_for(started.exists, 60, "the compile to start")
+    [stage] = stages_on_disk(cache_dir)
+    (stage / "build.log").unlink()
+    builder.join(60)
+    assert [type(m.affine).__name__ for m in loaded] == ["Function"]
+    assert len(entries_on_disk(cache_dir)) == 1
 
 
 def test_compiler_past_the_build_timeout_is_killed_with_its_children(fake_nvcc, prebuilt, tmp_path, monkeypatch,

@@ -185,7 +185,7 @@ def _set_aside(entry: Path, variant: Variant, problem: str) -> None:
 
 def _compile_and_check(variant, arch, info, command, stage, failed, load_module, stop):
     start = time.monotonic()
-    timeout = env.build_timeout()
+    timeout, verbose = env.build_timeout(), env.verbose_build()  # a setting error costs no compile
     log.debug("dsv4jit: key document for %s: %s", variant.id, json.dumps(info.document, indent=1))
     log.debug("dsv4jit: command: %s", command.shell())
     try:
@@ -195,7 +195,7 @@ def _compile_and_check(variant, arch, info, command, stage, failed, load_module,
     seconds = time.monotonic() - start
     if stop is not None:
         stop.check()  # its compiler was killed on purpose: not a failure to record
-    if env.verbose_build():
+    if verbose:
         sys.stderr.write(output)
     if code != 0:
         _fail(variant, arch, stage, failed, command, timed_out(timeout) if code is None else first_error(output, code))

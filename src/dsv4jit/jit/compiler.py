@@ -170,11 +170,11 @@ REAPER = Path(__file__).with_name("reaper.py")
 
 def run_compiler(command: Command, stage: Path, timeout: float, stop: Stop | None) -> tuple[str, int | None]:
     """The compiler's output and exit code (None: it ran past `timeout` seconds), run in the stage
-    under reaper.py; build.log gets the command line and the output. If this process dies, this call
+    under reaper.py; build.log gets the command line and the output, which is read back through the
+    open file (so that a build.log deleted meanwhile loses nothing). If this process dies, this call
     is interrupted or `stop` is set, the compiler and every process it started are killed."""
-    log_file = stage / "build.log"
-    header = command.shell() + "\n\n"
-    with open(log_file, "w") as out:
+    header = (command.shell() + "\n\n").encode()
+    with open(stage / "build.log", "w+b") as out:
         out.write(header)
         out.flush()
         proc = subprocess.Popen([sys.executable, "-I", "-S", str(REAPER), *command.argv], cwd=stage,
@@ -188,8 +188,10 @@ def run_compiler(command: Command, stage: Path, timeout: float, stop: Stop | Non
             proc.stdin.close()  # end of file: the reaper kills the compiler's group if it still runs
             proc.wait()
         if code is None:
-            out.write(f"\n{timed_out(timeout)}\n")
-    return log_file.read_text(errors="replace")[len(header):], code
+            out.seek(0, os.SEEK_END)  # after what the compiler wrote through its own descriptor
+            out.write(f"\n{timed_out(timeout)}\n".encode())
+        out.seek(len(header))
+        return out.read().decode(errors="replace"), code
 
 
 def timed_out(timeout: float) -> str:

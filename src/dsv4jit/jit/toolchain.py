@@ -180,7 +180,9 @@ def _run(cmd: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise DSV4JITToolchainError(f"running {' '.join(cmd)} failed: {e}") from e
     if res.returncode != 0:
-        raise DSV4JITToolchainError(f"{' '.join(cmd)} exited with {res.returncode}: {res.stderr.strip()[:500]}")
+        said = res.stderr.strip()[:500]
+        raise DSV4JITToolchainError(f"{' '.join(cmd)} exited with {res.returncode}"
+                                    + (f": {said}" if said else ", with no error message"))
     return res.stdout + res.stderr
 
 
@@ -244,7 +246,8 @@ def _is_identity(value) -> bool:
 
 
 def _find_cxx() -> Path:
-    names = [env.cxx()] if env.cxx() else ["g++", "c++", "clang++"]
+    named = env.cxx()
+    names = [named[1]] if named else ["g++", "c++", "clang++"]
     for name in names:
         found = shutil.which(name) if name else None
         if found:
@@ -254,8 +257,15 @@ def _find_cxx() -> Path:
 
 
 def _cxx_version(cxx: Path, cache_file: Path) -> str:
-    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), lambda v: isinstance(v, str),
-                   cache_file)
+    try:
+        return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), lambda v: isinstance(v, str),
+                       cache_file)
+    except DSV4JITToolchainError as e:
+        if (named := env.cxx()) is None:
+            raise
+        variable, value = named
+        raise DSV4JITToolchainError(f"{variable}={value!r} names a compiler that does not run ({e}); set it to a "
+                                    "C++20 compiler (g++ or clang++), or unset it") from None
 
 
 @functools.lru_cache(maxsize=None)
