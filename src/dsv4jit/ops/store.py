@@ -12,9 +12,9 @@ import torch
 from .. import arguments, library, runtime
 from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
-from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
 from ..reference import store as ref_store
-from . import common
+from . import checked, common
 
 _OP = "compress_norm_rope_store"
 
@@ -68,6 +68,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
         common.scalars(op, {"page_size": page_size}, {"use_fp4": use_fp4, "bf16_store": bf16_store})
     eps = arguments.positive(op, "norm_eps", norm_eps)
     try:
+        check_batch(op, plan, locations={"out_loc": out_loc})
         if kv.dim() != 2:
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
         fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])")
@@ -121,6 +122,7 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     status = runtime.status_word(device)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
+        checked.store(_OP, kv, plan_rows, norm_weight, freq, out_loc, compress_ratio, is_decode)
     fn(kv, plan_rows, norm_weight, freq, out_loc, kvcache, status, page_size, compress_ratio,
        is_decode, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params)

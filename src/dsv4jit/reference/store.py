@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import FLOAT_DTYPES, distinct, dtype_in
+from ..arguments import FLOAT_DTYPES, distinct, dtype_in, finite
 from ..geometry import (
     BF16_TOKEN_BYTES,
     FORMATS,
@@ -362,8 +362,9 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
                   norm_weight: torch.Tensor, freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
                   page_size: int, use_fp4: bool = False, bf16_store: bool = False,
                   num_q_tokens: int = -1) -> StoreRows:
-    """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read), so
-    that a caller that computes kv first (the fused op) can check the store before writing anything."""
+    """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read: the
+    rows it stores are checked finite by the caller), so that a caller that computes kv first (the
+    fused op) can check the store before writing anything."""
     if kv.dim() != 2:
         raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
     dtype_in("kv", kv, FLOAT_DTYPES)
@@ -385,7 +386,19 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
     _check_positions(positions, freq)
     _page_slot(kvcache, locs, fmt, page_size)
+    finite_values(None, keep, positions, norm_weight, freq)
     return StoreRows(fmt, keep, positions, locs, freq)
+
+
+def finite_values(kv: torch.Tensor | None, keep: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
+                  freq: torch.Tensor) -> None:
+    """ValueError naming what the store would read that is not finite: a stored row of kv (`keep`;
+    kv None: rows a fused op computes), the norm weight, or the rope table (`freq`, either form) at
+    a stored position. Rows that are not stored (invalid plan rows) may hold anything."""
+    if kv is not None:
+        finite("kv", kv.detach()[keep.to(kv.device)], rows=keep)
+    finite("norm_weight", norm_weight)
+    finite("freq_cis", freq[positions.to(freq.device)], rows=positions)
 
 
 def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
@@ -403,6 +416,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
     rows = checked_store(kv, plan, is_decode=is_decode, compress_ratio=compress_ratio, norm_weight=norm_weight,
                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
                          bf16_store=bf16_store, num_q_tokens=num_q_tokens)
+    finite("kv", kv.detach()[rows.keep.to(kv.device)], rows=rows.keep)
     if rows.keep.numel() == 0:
         return
     # The op's wrapper casts the weight to kv's dtype before the fp32 math.
