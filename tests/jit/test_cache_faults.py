@@ -426,7 +426,7 @@ def _run_child(script: str, harm: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("harm", IN_PLACE)
 def test_a_module_overwritten_in_place_under_a_live_process_does_not_kill_it(harm, host_planner, cache_dir):
     """Load the CPU planner, plan, change its module.so in place, plan again: the second plan used
-    to die of SIGBUS (exit 135 in a shell; all four loaders of a concurrent trial did)."""
+    to die of SIGBUS (exit 135 in a shell)."""
     copy_entry(cache_dir, host_planner)
     run = _run_child(PLAN_THEN_HARM, harm)
     assert run.returncode == 0 and run.stdout.split()[-1] == "survived", (run.returncode, run.stderr[-2000:])
