@@ -7,9 +7,9 @@ a rule (the dtypes a state pool may have, an index range, a tensor's shape) is w
 * Dtypes (`FLOAT_DTYPES`, `STATE_DTYPES`, `dtype_key`): what the kernels take, by our dtype names.
 * Tensors (`TensorCheck`): the rules and messages of tensor_check.h for the CPU paths that stand in
   for a kernel.
-* Data (`dtype_in`, `in_range`, `distinct`): the references' checks, whose messages start with the
-  argument's name (``plan_w: write_loc must lie in ...``); `reworded` turns such a message into the
-  public function's (``dsv4jit.<function>: argument 'plan' (plan_w): ...``).
+* Data (`dtype_in`, `in_range`, `distinct`, `finite`): the references' checks, whose messages start
+  with the argument's name (``plan_w: write_loc must lie in ...``); `reworded` turns such a message
+  into the public function's (``dsv4jit.<function>: argument 'plan' (plan_w): ...``).
 
 Hot paths pay for no more than a type test per scalar: tensor arguments are checked by the kernel
 call (or the CPU path) that uses them, and when that fails with a TypeError or AttributeError
@@ -193,6 +193,21 @@ def distinct(name: str, values: torch.Tensor, what: str) -> None:
     """ValueError if two entries of `values` are equal (`what`: what two such rows do)."""
     if values.numel() != torch.unique(values).numel():
         raise ValueError(f"{name}: two rows {what}")
+
+
+def finite(name: str, t: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """ValueError unless every value of `t` is finite, naming the first NaN or infinity by its index
+    (`rows`: which row of the argument each row of `t` is, where `t` holds some of them). A NaN in
+    an input would reach the state and the cache without a word (integer tensors hold none)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        index = bad.nonzero()[0].tolist()
+        value = t[tuple(index)].item()
+        if rows is not None:
+            index[0] = int(rows[index[0]])
+        raise ValueError(f"{name}: must hold finite values only (no NaN or infinity), got {value} at {index}")
 
 
 _NAMED_OP = re.compile(r"dsv4jit\.[\w.]+")

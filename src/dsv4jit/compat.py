@@ -24,6 +24,7 @@ from . import runtime
 from .arguments import FLOAT_DTYPES, STATE_DTYPES, TensorCheck, reworded, tensors
 from .family import Family, KernelChoice
 from .jit.kernels import COMPAT_C4
+from .ops import checked
 from .ops.common import cuda_device, dtype_name
 from .plan_layout import LEGACY_PLAN_BYTES
 from .reference import compat as ref
@@ -99,6 +100,8 @@ def flash_c4_decode(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor,
             return ref.c4_decode(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
         except (ValueError, TypeError) as e:  # the reference names its argument: add the function's name
             raise reworded(op, e, locals()) from None
+    if runtime.checks_enabled():
+        checked.inputs(op, kv_score_input=kv_score_input, ape=ape)
     _run(op, device, "decode", _kernel(op, hd, kv_score_buffer, kv_score_input, kv_compressed_output),
          kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, extra)
     return kv_compressed_output
@@ -144,6 +147,8 @@ def flash_c4_prefill(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
                                   write_plan, extra)
         except (ValueError, TypeError) as e:  # the reference names its argument: add the function's name
             raise reworded(op, e, locals()) from None
+    if runtime.checks_enabled():
+        checked.compat_prefill(op, kv_score_input, ape, compress_plan, write_plan, hd)
     _run(op, device, "prefill", _kernel(op, hd, kv_score_buffer, kv_score_input, kv_compressed_output),
          kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan, extra)
     return kv_compressed_output

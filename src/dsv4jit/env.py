@@ -96,8 +96,9 @@ def cuda_homes() -> list[tuple[str, str]]:
     return [(name, value) for name in ("CUDA_HOME", "CUDA_PATH") if (value := os.environ.get(name))]
 
 
-def cxx() -> str | None:
-    return os.environ.get("DSV4JIT_CXX") or os.environ.get("CXX") or None
+def cxx() -> tuple[str, str] | None:
+    """(variable, value) of the first of DSV4JIT_CXX and CXX that is set, or None."""
+    return next(((name, value) for name in ("DSV4JIT_CXX", "CXX") if (value := os.environ.get(name))), None)
 
 
 def jobs() -> int | None:

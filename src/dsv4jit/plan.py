@@ -9,6 +9,7 @@ paths produce the same bytes (rows in batch-major, position-ascending order).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -341,6 +342,30 @@ class CompressorPrefillPlan:
                                            (state_slot_offset,), seq_lens, extend_lens, num_q_tokens,
                                            use_cuda_graph, plan_layout.ONLINE_PLAN_BYTES)
         return cls(128, plan_c, plan_w, None, int(num_q_tokens), is_online=True)
+
+
+def check_batch(op: str, plan: CompressorPrefillPlan | CompressorDecodePlan,
+                inputs: Mapping[str, torch.Tensor] = {}, locations: Mapping[str, torch.Tensor] = {}) -> None:
+    """ValueError naming `plan` and the argument whose size shows that the two are of different
+    batches or steps: a decode plan has one row per request, which each of `inputs` must have too,
+    and each of `locations` one entry; a prefill plan recorded its step's tokens (num_q_tokens),
+    which each of `inputs` must have as rows and each of `locations` at least as entries. Where the
+    sizes agree (a same-size plan of another step, or a plan built by hand, which records no
+    tokens) they cannot tell."""
+    if plan.is_decode:
+        want = plan.plan_d.shape[0]
+        made = f"a decode plan of {want} requests"
+    elif plan.num_q_tokens is not None:
+        want = plan.num_q_tokens
+        made = f"a prefill plan of {want} tokens (num_q_tokens)"
+    else:
+        return
+    sizes = [(name, t.shape[0], "rows") for name, t in inputs.items() if t.dim() and t.shape[0] != want]
+    sizes += [(name, t.numel(), "entries") for name, t in locations.items()
+              if (t.numel() != want if plan.is_decode else t.numel() < want)]
+    for name, size, unit in sizes[:1]:
+        raise ValueError(f"dsv4jit.{op}: argument 'plan' and argument '{name}' are of different batches or steps: "
+                         f"the plan is {made}, '{name}' has {size} {unit}")
 
 
 def as_plan(op: str, plan) -> CompressorPrefillPlan | CompressorDecodePlan:

@@ -31,7 +31,7 @@ from dsv4jit.errors import DSV4JITBuildError, DSV4JITCacheError, DSV4JITCacheMis
 from dsv4jit.jit import cache, loader, toolchain
 from dsv4jit.jit.toolchain import Arch
 from helpers.child_process import CHILD_PRELUDE, PYTHON, children, counted, kill_all, running, wait_for
-from helpers.jit_env import SELFTEST_ID, entries_on_disk, stages_on_disk
+from helpers.jit_env import SELFTEST_ID, copy_entry, entries_on_disk, stages_on_disk
 
 pytestmark = pytest.mark.usefixtures("jit_env")
 
@@ -56,8 +56,8 @@ def _rewrite_manifest(entry: Path, **changes) -> None:
 
 
 def _replace(module: Path, data: bytes) -> None:
-    """New contents for a module file, as a new file: this test process has the old one mapped (it
-    built and loaded it), and cutting a mapped file short would crash it with SIGBUS."""
+    """New contents for a module file, as a new file (an atomic replace, as a careful writer does;
+    writers in place are `IN_PLACE`'s)."""
     fresh = module.with_name(module.name + ".new")
     fresh.write_bytes(data)
     os.replace(fresh, module)
@@ -118,7 +118,7 @@ def test_damaged_entry_is_moved_aside_and_rebuilt_once(damage, published, selfte
     [warning] = warnings
     assert re.search(problem, warning) and str(entry) in warning and "moved it to .bad-" in warning
     assert counted(counter) == 2  # the first build and one rebuild
-    assert cache.entry_problem(entry, key) is None
+    assert cache.verified_module(entry, key)[1] is None
     [aside] = entry.parent.glob(f".bad-{entry.name}-*")  # kept for inspection, as it was
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == damaged_files
     loader.load(selftest, arch)
@@ -133,10 +133,10 @@ def test_verified_entry_that_does_not_load_here_is_rebuilt_once(published, monke
     real_load = loader._load_module
     stages_too = []
 
-    def load(path: Path):
+    def load(path: Path, image: bytes):
         if path.parent == entry or (stages_too and path.parent.name.startswith(".stage-")):
             raise RuntimeError("libexample.so.1: cannot open shared object file")
-        return real_load(path)
+        return real_load(path, image)
 
     monkeypatch.setattr(loader, "_load_module", load)
     with caplog.at_level(logging.INFO, logger="dsv4jit"):
@@ -232,6 +232,17 @@ def test_an_unreadable_write_root_is_a_miss_and_the_search_roots_serve(published
     assert counted(counter) == 1
 
 
+def test_clean_of_an_unreadable_root_says_so(published, monkeypatch, capsys, cache_dir):
+    """It used to print "freed 0 bytes" and nothing else."""
+    _deny(monkeypatch, lambda path: path.is_relative_to(cache_dir))
+    capsys.readouterr()
+    assert cli.main(["clean", "--all"]) == 1
+    assert capsys.readouterr().err == (f"dsv4jit: cannot read the kernel cache at {cache_dir}: Permission denied; "
+                                       "nothing was removed (clean needs to read and write DSV4JIT_CACHE_DIR)\n")
+    monkeypatch.undo()
+    assert cli.main(["clean", "--all", "--dry-run"]) == 0 and published[0].is_dir()
+
+
 def test_an_unreadable_module_is_a_damaged_entry_not_a_crash(published, monkeypatch, caplog, selftest, arch):
     entry, counter = published
     real_stat, inode = os.stat, (entry / "module.so").stat().st_ino
@@ -256,16 +267,16 @@ def test_an_unreadable_module_is_a_damaged_entry_not_a_crash(published, monkeypa
 
 
 def test_an_entry_removed_during_its_lookup_is_a_miss(published, monkeypatch, selftest, arch):
-    """A `clean` removes the entry between the lookup's stat of module.so and its sha256."""
+    """A `clean` removes the entry between the lookup's stat of module.so and its read."""
     entry, counter = published
-    sha256 = cache._sha256_file
+    read = cache._read_module
 
-    def cleaned_first(path: Path) -> str:
+    def cleaned_first(path: Path) -> bytes:
         if path == entry / "module.so":
             shutil.rmtree(entry)
-        return sha256(path)
+        return read(path)
 
-    monkeypatch.setattr(cache, "_sha256_file", cleaned_first)
+    monkeypatch.setattr(cache, "_read_module", cleaned_first)
     assert type(loader.load(selftest, arch).affine).__name__ == "Function"
     assert counted(counter) == 2 and (entry / "manifest.json").is_file()  # rebuilt
 
@@ -327,8 +338,15 @@ def test_a_toolchain_file_of_the_wrong_form_is_recomputed(form, published, cache
     assert json.loads(file.read_text()) == table
 
 
-@pytest.mark.parametrize("owner", ["[1, 2]", '"pid 1"', '{"pid": "1", "host": "h"}', '{"pid": -1, "host": "h"}'])
+#: A pid past pid_t's range, on this host: checking whether that process lives used to raise OverflowError.
+BIG_PID = json.dumps({"pid": 2**32, "host": socket.gethostname()})
+
+
+@pytest.mark.parametrize("owner", ["[1, 2]", '"pid 1"', '{"pid": "1", "host": "h"}', '{"pid": -1, "host": "h"}',
+                                   BIG_PID, '{"pid": NaN, "host": "h"}', '{"pid": 1, "host": "h\\u0000"}',
+                                   "[" * 100_000])
 def test_an_owner_file_of_the_wrong_form_is_one_that_cannot_be_read(owner, published, monkeypatch, selftest, arch):
+    """Hostile forms included: each of the last four used to crash the waiter or every builder of the key."""
     entry, counter = published
     shutil.rmtree(entry)
     lock = entry.with_name(entry.name + ".lock")
@@ -359,6 +377,190 @@ def test_a_lock_path_that_is_a_folder_is_a_cache_error(published, selftest, arch
                                                 rf"\({re.escape(str(lock))}\); set DSV4JIT_CACHE_DIR"):
         loader.load(selftest, arch)
     assert counted(counter) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# A loaded module whose file is overwritten in place
+
+
+# name -> what is done to `module` (the entry's module.so, loaded in the child) from within that child,
+# as from another process: each keeps the file's inode, which the loaded code used to map.
+IN_PLACE = {
+    "truncated": "os.truncate(module, 0)",
+    "cut short": "os.truncate(module, module.stat().st_size // 2)",
+    "overwritten by cp": f"shutil.copyfile({str(FOREIGN_MODULE)!r}, module)",  # cp opens it O_TRUNC, then writes
+}
+
+PLAN_THEN_HARM = """
+import os, shutil, torch
+from dsv4jit.jit import loader
+from dsv4jit.jit.toolchain import Arch
+from dsv4jit.plan import CompressorDecodePlan
+
+def plan():
+    tables = (torch.arange(2 * 64, dtype=torch.int32).view(2, 64), torch.arange(1024))
+    return CompressorDecodePlan.generate(4, torch.tensor([0, 1]), *tables, torch.tensor([5, 9]), 256, 8).plan_d
+
+first = plan()
+module = loader.resolve(loader.variant("plan_host"), Arch.host()).entry / "module.so"
+HARM
+assert plan().equal(first)
+print("survived")
+"""
+
+BUILD_THEN_HARM = CHILD_PRELUDE + """
+import shutil
+loaded = loader.load(VARIANT, ARCH)  # built in this process
+module = loader.resolve(VARIANT, ARCH).entry / "module.so"
+HARM
+print(type(loaded.affine).__name__)  # looked up in the loaded library's symbol table
+print("survived")
+"""
+
+
+def _run_child(script: str, harm: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-c", script.replace("HARM", IN_PLACE[harm])], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("harm", IN_PLACE)
+def test_a_module_overwritten_in_place_under_a_live_process_does_not_kill_it(harm, host_planner, cache_dir):
+    """Load the CPU planner, plan, change its module.so in place, plan again: the second plan used
+    to die of SIGBUS (exit 135 in a shell)."""
+    copy_entry(cache_dir, host_planner)
+    run = _run_child(PLAN_THEN_HARM, harm)
+    assert run.returncode == 0 and run.stdout.split()[-1] == "survived", (run.returncode, run.stderr[-2000:])
+    assert loader.resolve(loader.variant("plan_host"), Arch.host()).entry is None  # damaged now: rebuilt if loaded
+
+
+@pytest.mark.parametrize("harm", IN_PLACE)
+def test_a_module_built_in_this_process_and_overwritten_in_place_does_not_kill_it(harm, fake_nvcc, prebuilt,
+                                                                                   monkeypatch):
+    """The builder loads the module it built, which then becomes the entry's: the same rule."""
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
+    run = _run_child(BUILD_THEN_HARM, harm)
+    assert run.returncode == 0 and run.stdout.split()[-2:] == ["Function", "survived"], \
+        (run.returncode, run.stderr[-2000:])
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile metadata: files that parse, or nearly, but not within the bounds (jit/metadata.py)
+
+
+def _nested(path: Path) -> None:
+    path.write_text("[" * 100_000)  # json's decoder recursed once per level: RecursionError
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)  # opened for reading, it used to block until a writer came
+
+
+# name -> (harm done to the entry, the problem the WARNING states after "manifest.json is malformed: ").
+HOSTILE_MANIFESTS = {
+    "nested 100000 deep": (lambda e: _nested(e / "manifest.json"), "nested deeper than 16 levels"),
+    "a NUL in a string": (lambda e: _rewrite_manifest(e, variant="selftest\0"), "a NUL character in the text"),
+    "built_at NaN": (lambda e: _rewrite_manifest(e, built_at=float("nan")), "a number that is not finite (NaN)"),
+    "size Infinity": (lambda e: _rewrite_manifest(e, size=float("inf")), "a number that is not finite (Infinity)"),
+    "build_seconds 1e999": (lambda e: (e / "manifest.json").write_text(
+        (e / "manifest.json").read_text().replace('"build_seconds": ', '"build_seconds": 1e999, "was": ')),
+        "a number out of range (1e999)"),
+    "size negative": (lambda e: _rewrite_manifest(e, size=-1), "its 'size' is -1"),
+    "over 1 MiB": (lambda e: _rewrite_manifest(e, depfile=["x" * (1 << 20)]), "larger than 1048576 bytes"),
+    "a FIFO": (lambda e: _fifo(e / "manifest.json"), "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("form", HOSTILE_MANIFESTS)
+def test_a_hostile_manifest_is_a_damaged_entry_for_every_reader(form, published, caplog, capsys, selftest, arch):
+    """Every command that reads the cache runs (the nested one ended each in "internal error (exit
+    3)"), and precompile moves the entry aside and rebuilds it once."""
+    entry, counter = published
+    harm, problem = HOSTILE_MANIFESTS[form]
+    harm(entry)
+    capsys.readouterr()
+    for argv in (["list", "--entries"], ["list", "--kernel", "selftest"], ["info", SELFTEST_ID],
+                 ["clean", "--all", "--dry-run"], ["clean", "--stale", "--orphans", "--older-than", "1d", "--dry-run"]):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="dsv4jit"):
+        assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["built"] == 1
+    [warning] = _warnings(caplog)
+    assert f"(manifest.json is malformed: {problem}" in warning and "moved it to .bad-" in warning
+    assert type(loader.load(selftest, arch).affine).__name__ == "Function"
+    assert counted(counter) == 2  # the first build and one rebuild; the load is a hit
+
+
+def test_a_hostile_manifest_where_nothing_can_be_built_is_a_cache_error_naming_it(published, monkeypatch, capsys,
+                                                                                  selftest, arch):
+    entry, counter = published
+    _nested(entry / "manifest.json")
+    monkeypatch.setattr(cache, "unwritable", lambda root: "write access denied")  # root ignores permission bits
+    with pytest.raises(DSV4JITCacheError, match=rf"the entry at {re.escape(str(entry))} is damaged: manifest\.json is "
+                                                r"malformed: nested deeper than 16 levels\) and the kernel cache dir "
+                                                r".* is not writable"):
+        loader.load(selftest, arch)
+    capsys.readouterr()
+    assert cli.main(["precompile", "--kernel", "selftest"]) == 1  # a failed build, not an internal error
+    assert counted(counter) == 1
+
+
+# name -> the text of toolchain.json, from the table it held.
+HOSTILE_TOOLCHAINS = {
+    "nested 100000 deep": lambda table: "[" * 100_000,
+    "a NUL in a dependency path": lambda table: json.dumps(
+        {name: record | {"deps": {"/usr/bin/nvcc\0": None}} for name, record in table.items()}),
+    "a NaN in a stamp": lambda table: json.dumps(
+        {name: record | {"stamp": [record["stamp"][0], float("nan"), 0]} for name, record in table.items()}),
+}
+
+
+@pytest.mark.parametrize("form", HOSTILE_TOOLCHAINS)
+def test_a_hostile_toolchain_file_is_recomputed(form, published, capsys, cache_dir, selftest, arch):
+    """The NUL made every load raise "ValueError: embedded null byte", and list and info exit 3."""
+    entry, counter = published
+    file = cache_dir / "toolchain.json"
+    table = json.loads(file.read_text())
+    file.write_text(HOSTILE_TOOLCHAINS[form](table))
+    toolchain.reset()
+    capsys.readouterr()
+    assert cli.main(["list", "--kernel", "selftest", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["variants"]
+    assert row["status"] == "cached" and row["entry"] == str(entry)
+    assert json.loads(file.read_text()) == table  # replaced by the recomputed identity
+    file.write_text(HOSTILE_TOOLCHAINS[form](table))
+    toolchain.reset()
+    assert cli.main(["info"]) == 0
+    assert loader.resolve(selftest, arch).entry == entry
+
+
+def _failure(failed_at) -> str:
+    return json.dumps({"first_error": "an old failure", "failed_at": failed_at, "log": "build.log",
+                       "command": "nvcc", "pid": 1, "host": socket.gethostname()})
+
+
+FAILURE_RECORDS = {
+    "failed_at NaN": lambda: _failure(float("nan")),
+    "failed_at Infinity": lambda: _failure(float("inf")),
+    "failed_at in an hour": lambda: _failure(time.time() + 3600),  # another host's clock, on a shared cache
+    "nested 100000 deep": lambda: "[" * 100_000,
+}
+
+
+@pytest.mark.parametrize("form", FAILURE_RECORDS)
+def test_a_failure_record_not_of_a_finite_past_time_expires(form, published, capsys, cache_dir, selftest, arch):
+    """Each used to block the key for good (every load and precompile reported the old failure and
+    never compiled again), or crashed the builder."""
+    entry, counter = published
+    shutil.rmtree(entry)
+    failed = cache.failed_dir(cache_dir) / entry.name
+    failed.mkdir(parents=True)
+    (failed / "failure.json").write_text(FAILURE_RECORDS[form]())
+    capsys.readouterr()
+    assert cli.main(["precompile", "--kernel", "selftest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["built"] == 1
+    assert counted(counter) == 2 and cache.verified_module(entry)[1] is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,6 +619,22 @@ def test_dead_or_interrupted_builder_takes_its_compiler_down(how, fake_nvcc, pre
         assert "KeyboardInterrupt" in err
         assert stages_on_disk(cache_dir) == []
     assert entries_on_disk(cache_dir) == []
+
+
+def test_a_build_log_deleted_during_the_compile_is_not_a_cache_error(fake_nvcc, prebuilt, tmp_path, monkeypatch,
+                                                                     cache_dir, selftest, arch):
+    """It was reported as an unwritable cache; the compile's output is read back through the open file."""
+    started = tmp_path / "started"
+    monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, started=started, sleep=2)))
+    loaded = []
+    builder = threading.Thread(target=lambda: loaded.append(loader.load(selftest, arch)))
+    builder.start()
+    wait_for(started.exists, 60, "the compile to start")
+    [stage] = stages_on_disk(cache_dir)
+    (stage / "build.log").unlink()
+    builder.join(60)
+    assert [type(m.affine).__name__ for m in loaded] == ["Function"]
+    assert len(entries_on_disk(cache_dir)) == 1
 
 
 def test_compiler_past_the_build_timeout_is_killed_with_its_children(fake_nvcc, prebuilt, tmp_path, monkeypatch,

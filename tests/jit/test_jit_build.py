@@ -220,6 +220,18 @@ def test_cold_load_without_a_host_compiler_says_what_to_install(monkeypatch, cac
     assert entries_on_disk(cache_dir) == []
 
 
+@pytest.mark.parametrize("variable", ["DSV4JIT_CXX", "CXX"])
+def test_a_host_compiler_setting_that_does_not_run_names_the_variable(variable, monkeypatch, cache_dir):
+    """It used to say only "/usr/bin/false --version exited with 1: ." """
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv(variable, "/bin/false")
+    with pytest.raises(DSV4JITToolchainError, match=rf"^{variable}='/bin/false' names a compiler that does not run "
+                                                    r"\(\S*/false --version exited with 1, with no error message\); set it "
+                                                    r"to a C\+\+20 compiler \(g\+\+ or clang\+\+\), or unset it\. Fix: "):
+        loader.load(loader.variant("plan_host"), toolchain.Arch.host())
+    assert entries_on_disk(cache_dir) == []
+
+
 def test_cold_load_without_nvcc_raises_toolchain_error(no_toolchain, selftest, arch):
     with pytest.raises(DSV4JITToolchainError, match=r"looked at DSV4JIT_NVCC, CUDA_HOME"):
         loader.load(selftest, arch)

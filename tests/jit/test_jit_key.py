@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4jit.jit import build, cache, loader, toolchain
+from dsv4jit.jit import cache, compiler, loader, toolchain
 from dsv4jit.jit.kernels import SELFTEST, SPECS
 from dsv4jit.jit.registry import Param, KernelSpec, parse_variant_id
 from dsv4jit.jit.toolchain import Arch
@@ -159,7 +159,7 @@ def test_key_ignores_where_the_package_lives(fake_toolchain, csrc_copy, selftest
     keys = {}
     for where in ("site-a", "elsewhere/site-b"):
         tree = csrc_copy(where)
-        command = build.compile_command(selftest, arch, toolchain.toolchain())
+        command = compiler.compile_command(selftest, arch, toolchain.toolchain())
         assert f"-I{tree}" in command.argv  # the copy really is what would be compiled
         keys[where] = resolve_info(selftest, arch).key
     assert keys == {"site-a": original.key, "elsewhere/site-b": original.key}
@@ -330,13 +330,13 @@ def test_depfile_finding_a_header_the_scan_missed_is_logged(tmp_path, monkeypatc
     scanned = cache.header_closure("top.cuh", tree)
 
     with caplog.at_level(logging.WARNING, logger="dsv4jit"):
-        build._check_depfile(selftest, stage, scanned)
+        compiler.check_depfile(selftest, stage, scanned)
     assert "hidden.h" in caplog.text and "missed" in caplog.text
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dsv4jit"):
-        build._check_depfile(selftest, stage, {**scanned, "hidden.h": "x"})
-        build._check_depfile(selftest, stage, {"<tree>": "x"})
+        compiler.check_depfile(selftest, stage, {**scanned, "hidden.h": "x"})
+        compiler.check_depfile(selftest, stage, {"<tree>": "x"})
     assert caplog.text == ""
 
 

@@ -122,14 +122,20 @@ def test_a_lock_dir_that_is_a_file_is_a_cache_error_naming_it(fake_nvcc, prebuil
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_setting_read_by_the_builds_stops_precompile_as_a_usage_error(fake_nvcc, prebuilt, tmp_path, monkeypatch,
-                                                                        capsys):
-    """DSV4JIT_BUILD_TIMEOUT=0 used to fail every build (each timed out at once): it is rejected, once."""
+@pytest.mark.parametrize("name, value, error", [
+    ("DSV4JIT_BUILD_TIMEOUT", "0", "is not valid: it must be a number greater than 0"),
+    ("DSV4JIT_VERBOSE_BUILD", "x", "is not a boolean: use one of 1, true, yes, on (on) or 0, false, no, off (off), "
+                                   "any case"),
+])
+def test_a_setting_read_by_the_builds_stops_precompile_as_a_usage_error(name, value, error, fake_nvcc, prebuilt,
+                                                                        tmp_path, monkeypatch, capsys):
+    """Rejected once, before any compile: DSV4JIT_BUILD_TIMEOUT=0 used to fail every build (each timed
+    out at once), DSV4JIT_VERBOSE_BUILD=x to be read after each compile, which was thrown away."""
     counter = tmp_path / "nvcc-runs"
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, counter=counter)))
-    monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "0")
+    monkeypatch.setenv(name, value)
     capsys.readouterr()
     assert cli.main(["precompile", "--kernel", "selftest", "--set", "all", "-j", "2"]) == 2
     out, err = capsys.readouterr()
-    assert err == "dsv4jit: DSV4JIT_BUILD_TIMEOUT='0' is not valid: it must be a number greater than 0\n"
+    assert err == f"dsv4jit: {name}='{value}' {error}\n"
     assert counted(counter) == 0

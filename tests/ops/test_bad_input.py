@@ -9,6 +9,7 @@ the call, so a rejected call must leave them as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -199,6 +200,31 @@ def out_loc_repeated(kw):
     return torch.zeros_like(kw["out_loc"])
 
 
+def plan_of_more_requests(kw):
+    """The decode plan of a batch with one request more than the tensors hold."""
+    plan = kw["plan"]
+    return CompressorDecodePlan(plan.compress_ratio, torch.cat([plan.plan_d, plan.plan_d[:1]]))
+
+
+def plan_of_fewer_tokens(kw):
+    """A prefill plan of a step of fewer tokens than the inputs hold: it used to be accepted, the
+    tokens past its own never compressed nor kept."""
+    plan = kw["plan"]
+    return dataclasses.replace(plan, num_q_tokens=plan.num_q_tokens - 1)
+
+
+def non_finite(name: str, value: float, index=None):
+    """`name` with `value` at `index` (None: everywhere, so that the first entry a call uses is named)."""
+    def spoil(kw):
+        t = kw[name].clone()
+        if index is None:
+            t.fill_(value)
+        else:
+            t[index] = value
+        return t
+    return spoil
+
+
 def permuted(name):
     return lambda kw: kw[name].transpose(0, 1)
 
@@ -207,6 +233,8 @@ def real_freq(kw):
     """The fp32 table with one column per pair: half of what the real (cos, sin) table has."""
     return torch.view_as_real(kw["freq_cis"])[..., 0].contiguous()
 
+
+FINITE = r": must hold finite values only \(no NaN or infinity\), got "  # then the value and its index
 
 ROWS = [
     # (function, argument, how it is spoiled, exception, message pattern after the argument named, and
@@ -310,7 +338,8 @@ ROWS = [
     ("compress_norm_rope_store", "out_loc", lambda kw: kw["out_loc"].tolist(), TypeError,
      r" must be a torch.Tensor, got list"),
     ("compress_norm_rope_store", "out_loc", shape("out_loc", slice(0, 3)), ValueError,
-     r" must have at least num_q_tokens \(\d+\) entries, got 3"),
+     r" and argument 'out_loc' are of different batches or steps: the plan is a prefill plan of \d+ tokens "
+     r"\(num_q_tokens\), 'out_loc' has 3 entries", "plan"),
     ("compress_norm_rope_store", "out_loc", out_loc_beyond_cache, ValueError,
      r": the cache locations of the stored rows must lie in \[0, \d+\)"),
     ("compress_norm_rope_store", "page_size", lambda kw: 3, ValueError, r" must be a power of two"),
@@ -346,6 +375,41 @@ ROWS = [
     ("compress_and_store (online)", "head_dim", lambda kw: 128, ValueError, r" must be 512 with is_online=True"),
     ("compress_and_store (online)", "kv_score_input", cast("kv_score_input", torch.bfloat16), TypeError,
      r": dtype must be float32 with is_online=True"),
+    # a plan of another batch or step (the decode one used to be named as whichever tensor a kernel checked first)
+    ("compress_forward (decode)", "plan", plan_of_more_requests, ValueError,
+     r" and argument 'kv_score_input' are of different batches or steps: the plan is a decode plan of \d+ requests, "
+     r"'kv_score_input' has \d+ rows"),
+    ("compress_forward", "plan", plan_of_fewer_tokens, ValueError,
+     r" and argument 'kv_score_input' are of different batches or steps: the plan is a prefill plan of \d+ tokens "
+     r"\(num_q_tokens\), 'kv_score_input' has \d+ rows"),
+    ("compress_forward (online)", "plan", plan_of_fewer_tokens, ValueError,
+     r" and argument 'kv_score_input' are of different batches or steps"),
+    ("compress_and_store", "plan", plan_of_fewer_tokens, ValueError,
+     r" and argument 'kv_score_input' are of different batches or steps: the plan is a prefill plan"),
+    ("compress_and_store (online)", "plan", plan_of_fewer_tokens, ValueError,
+     r" and argument 'kv_score_input' are of different batches or steps"),
+    # non-finite values a call uses (they went into the state and the cache without a word)
+    ("compress_forward", "kv_score_input", non_finite("kv_score_input", float("inf")), ValueError, FINITE + r"inf at "),
+    ("compress_forward", "ape", non_finite("ape", float("nan"), (3, 5)), ValueError, FINITE + r"nan at \[3, 5\]"),
+    ("compress_forward (decode)", "kv_score_input", non_finite("kv_score_input", float("-inf"), (1, 7)), ValueError,
+     FINITE + r"-inf at \[1, 7\]"),
+    ("compress_forward (online)", "kv_score_input", non_finite("kv_score_input", float("nan")), ValueError,
+     FINITE + r"nan at \[0, 0\]"),
+    ("compress_norm_rope_store", "kv", non_finite("kv", float("nan")), ValueError, FINITE + r"nan at \[\d+, 0\]"),
+    ("compress_norm_rope_store", "norm_weight", non_finite("norm_weight", float("inf"), 9), ValueError,
+     FINITE + r"inf at \[9\]"),
+    ("compress_norm_rope_store", "freq_cis", non_finite("freq_cis", float("nan")), ValueError,
+     FINITE + r"\(?nan.* at \[\d+, 0\]"),
+    ("compress_and_store", "kv_score_input", non_finite("kv_score_input", float("nan")), ValueError, FINITE + "nan"),
+    ("compress_and_store", "ape", non_finite("ape", float("inf"), (0, 1)), ValueError, FINITE + r"inf at \[0, 1\]"),
+    ("compress_and_store", "norm_weight", non_finite("norm_weight", float("nan"), 3), ValueError,
+     FINITE + r"nan at \[3\]"),
+    ("compress_and_store", "freq_cis", non_finite("freq_cis", float("inf")), ValueError, FINITE),
+    ("compress_and_store (online)", "ape", non_finite("ape", float("nan"), (127, 511)), ValueError,
+     FINITE + r"nan at \[127, 511\]"),
+    ("flash_c4_decode", "kv_score_input", non_finite("kv_score_input", float("nan"), (1, 300)), ValueError,
+     FINITE + r"nan at \[1, 300\]"),
+    ("flash_c4_decode", "ape", non_finite("ape", float("inf"), (7, 0)), ValueError, FINITE + r"inf at \[7, 0\]"),
     ("flash_c4_decode", "indices", lambda kw: kw["indices"].tolist(), TypeError, r" must be a torch.Tensor, got list"),
     ("flash_c4_decode", "indices", entry_set("indices", 1, 9), ValueError,
      r": entries must lie in \[0, 3\), got range \[0, 9\]"),
@@ -437,3 +501,23 @@ def test_a_device_mix_names_each_tensor_passed_and_its_device(entry_name, withou
     assert ", out on" not in placed or not without_out
     for name, value in before.items():
         assert torch.equal(kw[name], value), f"{entry_name} wrote {name} although it raised"
+
+
+@pytest.mark.parametrize("entry_name", ["compress_forward", "compress_forward (decode)", "compress_and_store"])
+def test_non_finite_values_the_contract_defines_are_accepted(entry_name):
+    """A cleared state row (kv 0, score -inf: a fresh pool, or its "no slot" row) and CUDA-graph
+    padding rows no plan row names (here NaN, past a plan of a padded step) are not errors."""
+    entry = ENTRIES[entry_name]
+    kw = entry.base()
+    width = kw["kv_score_buffer"].shape[-1]
+    scores = slice(width // 2, None)  # c4 rows: kv_overlap | kv | score_overlap | score
+    kw["kv_score_buffer"][..., :width // 2] = 0
+    kw["kv_score_buffer"][..., scores] = float("-inf")
+    plan = kw["plan"]
+    if not plan.is_decode:
+        pad = 3
+        kw["kv_score_input"] = torch.cat([kw["kv_score_input"], torch.full((pad, width), float("nan"))])
+        kw["plan"] = dataclasses.replace(plan, num_q_tokens=plan.num_q_tokens + pad)
+        if "out_loc" in kw:
+            kw["out_loc"] = torch.cat([kw["out_loc"], kw["out_loc"][:pad]])
+    entry.call(**kw)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_and_store_c4_layer
+from dsv4jit import CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_and_store_c4_layer, runtime
 from dsv4jit.geometry import page_bytes
 from helpers.kernel_trace import dsv4jit_kernels
 
@@ -198,6 +198,58 @@ def test_layer_bad_arguments(device, case):
         layer.layer(layer.b, plan, x, locs, **change(layer, x))
     for k, v in before.items():
         assert torch.equal(layer.b[k], v), k
+
+
+def _with(value: float, name: str, index=None):
+    """A change of `name` (a tensor of the layer's, or its inputs') to hold `value` at `index` (None: everywhere)."""
+    def change(L, x):
+        t = (x[name] if name in x else L.a[name] if name in L.a else L.freq_cis).clone()
+        t[... if index is None else index] = value
+        return {name: t}
+    return change
+
+
+NON_FINITE = [  # (change, the argument named, its index in the message)
+    (_with(float("nan"), "indexer_kv_score_input", (2, 5)), "indexer_kv_score_input", r"\[2, 5\]"),
+    (_with(float("inf"), "kv_score_input", (0, 1000)), "kv_score_input", r"\[0, 1000\]"),
+    (_with(float("-inf"), "ape", (7, 3)), "ape", r"\[7, 3\]"),
+    (_with(float("nan"), "indexer_norm_weight", 77), "indexer_norm_weight", r"\[77\]"),
+    (_with(float("nan"), "freq_cis"), "freq_cis", r"\[\d+, 0\]"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("case", NON_FINITE, ids=[c[1] for c in NON_FINITE])
+def test_layer_non_finite_inputs_are_named(device, case):
+    """On the CPU always, on the GPU in checked mode, before either step writes."""
+    layer = Layer(device, 3, seed=4)
+    layer.done = [23, 30, 39]  # requests 0 and 2 close a window: their rows are stored
+    plan = CompressorDecodePlan.generate(4, layer.rid, layer.r2t, layer.f2s, torch.tensor([24, 31, 40], device=device),
+                                         SPS, RING)
+    x, locs = layer.inputs(3), layer.out_locs(3)
+    change, name, index = case
+    before = {k: v.clone() for k, v in layer.b.items()}
+    runtime.set_checks(device == "cuda")
+    try:
+        with pytest.raises(ValueError, match=rf"^dsv4jit\.compress_and_store_c4_layer: argument '{name}': must hold "
+                                             rf"finite values only \(no NaN or infinity\), got .* at {index}"):
+            layer.layer(layer.b, plan, x, locs, **change(layer, x))
+    finally:
+        runtime.set_checks(None)
+    for k, v in before.items():
+        assert torch.equal(layer.b[k], v), k
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_plan_of_another_batch_is_named_as_the_plan(device):
+    """A decode plan of 5 requests with the tensors of 3: the message used to name 'indexer_out_loc'."""
+    five, three = Layer(device, 5, seed=5), Layer(device, 3, seed=4)
+    plan = CompressorDecodePlan.generate(4, five.rid, five.r2t, five.f2s, torch.full((5,), 21, device=device), SPS,
+                                         RING)
+    with pytest.raises(ValueError, match=r"^dsv4jit\.compress_and_store_c4_layer: argument 'plan' and argument "
+                                         r"'kv_score_input' are of different batches or steps: the plan is a decode "
+                                         r"plan of 5 requests, 'kv_score_input' has 3 rows$"):
+        three.layer(three.b, plan, three.inputs(3), three.out_locs(3))
 
 
 def test_c128_plan_is_refused():

@@ -273,7 +273,8 @@ BAD = [  # (op, the change of arguments, error, the argument it names)
     ("write", lambda v: {"req_to_token": v.r2t.long()}, TypeError, "req_to_token"),
     ("commit", lambda v: {"pending_seq_lens": v.pending.int()}, TypeError, "pending_seq_lens"),
     ("mark", lambda v: {"pending_seq_lens": v.pending.int()}, TypeError, "pending_seq_lens"),
-    ("commit", lambda v: {"state": v.state.view(-1, 3 * v.hd)[:, :3 * 64]}, ValueError, "state"),
+    # rows of another width: the message names head_dim and the pool, as compress_forward's does
+    ("commit", lambda v: {"state": v.state.view(-1, 3 * v.hd)[:, :3 * 64]}, ValueError, "head_dim"),
 ]
 
 
@@ -293,8 +294,9 @@ def test_bad_arguments_named_and_nothing_written(device, op, change, error, name
 @pytest.mark.parametrize("bad", ["slot", "length"])
 def test_bad_request_rows(device, bad):
     """A slot outside [0, state_slot_stride) (it would write other requests' draft rows, or outside the
-    pool) or a negative length: the CPU path raises before writing; the kernel skips that request,
-    writes the others', and checked mode reports it."""
+    pool) or a negative length: the CPU path raises before writing; the kernel skips a slot outside,
+    writes the others', and checked mode reports it; a negative length checked mode names before the
+    launch, as the CPU path does."""
     v = Verify(device, [5, 6], 2, seed=1)
     if bad == "slot":
         v.rid[1] = 10**6
@@ -307,9 +309,85 @@ def test_bad_request_rows(device, bad):
             v.write_prefix()
     finally:
         runtime.set_checks(None)
-    written = [v.slots[0] + k * v.stride for k in (1, 2)] if device == "cuda" else []
+    written = [v.slots[0] + k * v.stride for k in (1, 2)] if device == "cuda" and bad == "slot" else []
     assert_rows(v.pool64(), before, {r: v.pool64()[r] for r in written}, torch.float32)
     assert not v.pool64()[written].isnan().any()
+
+
+# ---- the planner's input rules: empty batches, duplicate slots, negative lengths, head_dim ---------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_empty_batch_is_valid_on_every_op(device):
+    """batch_size 0 with empty inputs writes nothing (write_prefix_states used to fail: "cannot reshape
+    tensor of 0 elements")."""
+    v = Verify(device, [5, 6], 2)
+    empty = dict(kv_score_input=v.x[:0], seq_lens=v.seq[:0], req_pool_indices=v.rid[:0], batch_size=0)
+    pool, pending = v.pool64(), v.pending.clone()
+    for op in ("write", "mark", "commit"):
+        _call(v, op, **empty)
+    assert torch.equal(v.pool64().nan_to_num(), pool.nan_to_num()) and torch.equal(v.pending, pending)
+
+
+REQUEST_RULES = [  # (the change of the batch's requests, the argument named, the rest of the message)
+    (lambda v: {"req_pool_indices": v.rid[[0, 1, 1]]}, "req_pool_indices",
+     r": two rows of the batch name one slot \(two requests would write one state\)"),
+    (lambda v: {"seq_lens": torch.full_like(v.seq, -5)}, "seq_lens", r": entries must be >= 0, got -5"),
+]
+
+
+def _checked(device: str):
+    """Checked mode on the GPU (where the rules cost a sync); the CPU path checks them always."""
+    runtime.set_checks(device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["write", "mark", "commit"])
+@pytest.mark.parametrize("rule", range(len(REQUEST_RULES)))
+def test_duplicate_slots_and_negative_lengths_are_named_on_every_op(device, op, rule):
+    """As the planner names them ("two requests name one slot"); they used to overwrite a row, or
+    record a negative pending length that commit then ignored."""
+    change, name, rest = REQUEST_RULES[rule]
+    v = Verify(device, [5, 130, 127], 3, extra_slots=1, stride=4)
+    v.write_prefix()
+    v.mark()
+    pool, pending = v.pool64(), v.pending.clone()
+    _checked(device)
+    try:
+        with pytest.raises(ValueError, match=rf"^dsv4jit\.online_c128_mtp_\w+: argument '{name}'{rest}"):
+            _call(v, op, **change(v))
+    finally:
+        runtime.set_checks(None)
+    assert torch.equal(v.pool64().nan_to_num(), pool.nan_to_num()) and torch.equal(v.pending, pending)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["write", "commit"])
+def test_a_head_dim_the_pool_does_not_have_is_named(device, op):
+    """head_dim 256 on a pool of 128-wide states: the message named 'state'."""
+    v = Verify(device, [5, 6], 2)
+    pool = v.pool64()
+    with pytest.raises(ValueError, match=r"^dsv4jit\.online_c128_mtp_\w+: argument 'head_dim' is 256, but the rows of "
+                                         r"'state' have 384 values .*in the online compressor they have 3·head_dim = 768"):
+        _call(v, op, head_dim=256)
+    assert torch.equal(v.pool64().nan_to_num(), pool.nan_to_num())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["kv_score_input", "ape"])
+def test_a_non_finite_input_of_write_prefix_states_is_named(device, name):
+    """On every all-CPU call, and in checked mode on the GPU; nothing is written."""
+    v = Verify(device, [5, 130, 127], 3, extra_slots=1, stride=4)
+    spoiled = getattr(v, {"kv_score_input": "x", "ape": "ape"}[name]).clone()
+    spoiled[1, 2] = float("inf")
+    pool = v.pool64()
+    _checked(device)
+    try:
+        with pytest.raises(ValueError, match=rf"^dsv4jit\.online_c128_mtp_write_prefix_states: argument '{name}': must "
+                                             r"hold finite values only \(no NaN or infinity\), got inf at \[1, 2\]"):
+            _call(v, "write", **{name: spoiled})
+    finally:
+        runtime.set_checks(None)
+    assert torch.equal(v.pool64().nan_to_num(), pool.nan_to_num())
 
 
 @pytest.mark.gpu

@@ -54,6 +54,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 ZERO_APE = torch.zeros(8, HD)
+UNREAD = 1e6  # a value a window must not read (it would move the mean far off), in an input row it stores
 
 
 def test_decode_ring_hand():
@@ -68,9 +69,11 @@ def test_decode_ring_hand():
 
 def test_decode_first_window_never_reads_the_overlap():
     # seq_len 4: slots 0-3 masked (their ring rows 4-7 hold NaN); the mean of rows 0-2 and the token.
+    # The token's overlap half is UNREAD, not NaN: it is stored for the next window, and an input
+    # that is not finite is refused.
     state = state_of(8, 1, {r: token(NAN, 20 + r) for r in range(3)})
     out = torch.full((1, HD), NAN)
-    flash_c4_decode(state, token(NAN, 200)[None], out, ZERO_APE, i32(0), i32(4))
+    flash_c4_decode(state, token(UNREAD, 200)[None], out, ZERO_APE, i32(0), i32(4))
     assert torch.allclose(out, torch.full((1, HD), (20 + 21 + 22 + 200) / 4))
 
 
@@ -81,7 +84,7 @@ def test_decode_paged_hand():
     fill.update({0 * 4 + r: token(NAN, 40 + r) for r in range(3)})
     state = state_of(4, 3, fill)
     out = torch.full((2, HD), NAN)
-    x = torch.stack([token(NAN, 400), token(7, 8)])
+    x = torch.stack([token(UNREAD, 400), token(7, 8)])
     flash_c4_decode(state, x, out, ZERO_APE, i32(0, 1), i32(8, 6), i32(2, -1).view(2, 1))
     assert torch.allclose(out[0], torch.full((HD,), (30 + 31 + 32 + 33 + 40 + 41 + 42 + 400) / 8), equal_nan=False)
     assert torch.equal(out[1], torch.zeros(HD))

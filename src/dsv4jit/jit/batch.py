@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITError, DSV4JITSettingError
-from . import build, loader
+from . import build, compiler, loader
 from .loader import Resolution
 from .registry import Variant
 from .toolchain import Arch
@@ -88,7 +88,7 @@ def build_all(todo: list[Resolution], reason: str, jobs: int | None = None, *, k
     jobs = jobs or default_jobs(len(todo))
     start = time.monotonic()
     outcomes: list[Outcome] = []
-    stop = build.Stop()
+    stop = compiler.Stop()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(_timed_build, res, reason, stop): res for res in todo}
         try:
@@ -106,7 +106,7 @@ def build_all(todo: list[Resolution], reason: str, jobs: int | None = None, *, k
     return Batch(outcomes, jobs, time.monotonic() - start)
 
 
-def _timed_build(res: Resolution, reason: str, stop: build.Stop) -> tuple[build.Built, float]:
+def _timed_build(res: Resolution, reason: str, stop: compiler.Stop) -> tuple[build.Built, float]:
     start = time.monotonic()
     return loader.build_resolved(res, reason, stop=stop), time.monotonic() - start
 

@@ -14,6 +14,7 @@ the key because modules link neither.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITToolchainError
+from ..errors import DSV4JITCacheError, DSV4JITToolchainError
+from . import metadata
 from .registry import Variant
 from .toolchain import Arch
 
@@ -211,69 +213,59 @@ def folders(folder: Path, pattern: str) -> list[Path]:
         return []
 
 
-def module_record(module: Path) -> dict:
-    """What a manifest records of ``module.so``, checked before every dlopen (see `entry_problem`)."""
-    return {"size": module.stat().st_size, "sha256": _sha256_file(module)}
+def module_record(image: bytes) -> dict:
+    """What a manifest records of ``module.so`` (its bytes), checked before every load (`verified_module`)."""
+    return {"size": len(image), "sha256": hashlib.sha256(image).hexdigest()}
 
 
-#: The fields of ``manifest.json`` (build.py writes them) and their JSON types: a manifest with a
-#: field missing or of another type is damaged, like one that does not parse.
+def _read_module(module: Path) -> bytes:
+    return module.read_bytes()
+
+
+#: The fields of ``manifest.json`` (build.py writes them) and their kinds (`metadata.read`): a
+#: manifest with a field missing or of another kind is damaged, like one that does not parse.
 MANIFEST_FIELDS = {"key": str, "source_key": str, "variant": str, "arch": str, "document": dict,
-                   "built_at": (int, float), "build_seconds": (int, float), "size": int, "sha256": str,
-                   "dsv4jit_version": str, "depfile": list}
-
-
-def read_json(path: Path, fields: dict) -> tuple[dict | None, str | None]:
-    """The JSON object in `path` if each of `fields` (name: type) is there with its type, else None
-    and why not. Every file the cache reads goes through here, so that one written by hand, by a
-    broken writer or by another version counts as missing or damaged, never as a crash."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None, "missing or unreadable"
-    if not isinstance(value, dict):
-        return None, f"malformed: not a JSON object ({json.dumps(value)[:40]})"
-    for field, kind in fields.items():
-        if not isinstance(value.get(field), kind) or isinstance(value.get(field), bool):
-            return None, f"malformed: its {field!r} is {json.dumps(value.get(field))[:40]}"
-    return value, None
+                   "built_at": metadata.NUMBER, "build_seconds": metadata.NUMBER, "size": metadata.COUNT,
+                   "sha256": str, "dsv4jit_version": str, "depfile": list}
 
 
 def read_manifest(entry: Path) -> dict | None:
     """The entry's manifest when it parses and has every field of its type (`MANIFEST_FIELDS`)."""
-    return read_json(entry / "manifest.json", MANIFEST_FIELDS)[0]
+    return metadata.read(entry / "manifest.json", MANIFEST_FIELDS)[0]
 
 
-def entry_problem(entry: Path, key: str | None = None) -> str | None:
-    """Why the entry folder must not be loaded, or None when ``module.so`` matches its manifest.
+def verified_module(entry: Path, key: str | None = None) -> tuple[bytes | None, str | None]:
+    """The bytes of the entry's ``module.so`` when they match its manifest (and the manifest names
+    `key`), else None and why the entry must not be loaded.
 
-    Checked before dlopen because a truncated module can kill the process with SIGBUS and a module
-    of another variant would load silently. Costs a stat and a sha256 of the module (about 1 ms
-    per MB), once per variant and process.
+    Checked before loading because a truncated module kills the process with SIGBUS and a module of
+    another variant would load silently. The bytes checked are the ones a load maps, from a private
+    copy (loader.py), so that nothing done to the file after the check reaches the process. Costs
+    reading and hashing the module (about 1 ms per MB), once per variant and process.
     """
-    manifest, problem = read_json(entry / "manifest.json", MANIFEST_FIELDS)
+    manifest, problem = metadata.read(entry / "manifest.json", MANIFEST_FIELDS)
     if problem is not None:
-        return f"manifest.json is {problem}"
+        return None, f"manifest.json is {problem}"
     if key is not None and manifest["key"] != key:
-        return f"manifest.json is for key {manifest['key']}, not {key}"
+        return None, f"manifest.json is for key {manifest['key']}, not {key}"
     module = entry / "module.so"
     try:  # it may be unreadable (permissions), or removed meanwhile by a concurrent clean
-        size = module.stat().st_size
+        size = module.stat().st_size  # before reading: a file of another size is not read at all
         if size != manifest["size"]:
-            return f"module.so has {size} bytes, the manifest records {manifest['size']}"
-        digest = _sha256_file(module)
+            return None, f"module.so has {size} bytes, the manifest records {manifest['size']}"
+        image = _read_module(module)
     except OSError as e:
-        return f"module.so cannot be read ({e.strerror})"
-    if digest != manifest["sha256"]:
-        return "module.so does not match the sha256 in manifest.json"
-    return None
+        return None, f"module.so cannot be read ({e.strerror})"
+    if module_record(image) != {"size": manifest["size"], "sha256": manifest["sha256"]}:
+        return None, "module.so does not match the sha256 in manifest.json"
+    return image, None
 
 
 def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: str | None = None,
-               root: Path | None = None) -> tuple[Path | None, list[Damaged]]:
-    """First verified entry in the roots (`roots`), and the damaged ones met on the way. With no
-    toolchain (``info`` None) match on the source key. A root that cannot be read is searched as an
-    empty one."""
+               root: Path | None = None) -> tuple[Path | None, bytes | None, list[Damaged]]:
+    """First verified entry in the roots (`roots`) with its module's bytes (`verified_module`), and
+    the damaged ones met on the way. With no toolchain (``info`` None) match on the source key. A
+    root that cannot be read is searched as an empty one."""
     damaged: list[Damaged] = []
     for searched in roots(root):
         if info is not None:
@@ -286,11 +278,11 @@ def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: s
         for entry in candidates:
             if not os.path.isdir(entry):  # False, not an error, where the path cannot be read
                 continue
-            problem = entry_problem(entry, info.key if info is not None else None)
-            if problem is None:
-                return entry, damaged
+            image, problem = verified_module(entry, info.key if info is not None else None)
+            if image is not None:
+                return entry, image, damaged
             damaged.append(Damaged(entry, problem))
-    return None, damaged
+    return None, None, damaged
 
 
 def iter_entries(root: Path):
@@ -320,3 +312,12 @@ def unwritable(root: Path) -> str | None:
     except OSError as e:
         return e.strerror or str(e)
     return None if os.access(root, os.W_OK | os.X_OK) else "write access denied"
+
+
+def write_error(e: OSError, where: Path, setting: str = "DSV4JIT_CACHE_DIR") -> DSV4JITCacheError:
+    """A failed write into the cache (no permission, a full disk, a read-only or too long path, a
+    folder where a file belongs, ...) as the place, the reason and the variable that moves it."""
+    path = f" ({e.filename})" if e.filename and Path(e.filename) != where else ""
+    fix = "a shorter path" if e.errno == errno.ENAMETOOLONG else "a writable folder with free space"
+    return DSV4JITCacheError(f"dsv4jit: cannot write the kernel cache at {where}: {e.strerror or e}{path}; "
+                             f"set {setting} to {fix}")

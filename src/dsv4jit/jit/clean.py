@@ -7,6 +7,7 @@ under the key's lock, so a concurrent builder of that key is not disturbed.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
+from ..errors import DSV4JITCacheError
 from . import cache, loader
-from .build import KeyLock, lock_file
+from .lock import KeyLock, lock_file
 from .kernels import SPECS
 from .registry import parse_variant_id
 from .toolchain import Arch
@@ -43,6 +45,7 @@ def clean(*, everything: bool = False, archs: Collection[str] = (), kernels: Col
     orphans: the entries of variants the registry no longer has.
     """
     root = cache.write_root(root)
+    _check_readable(root)
     now = time.time()
     doomed = _leftovers(root, now) if everything or stale else []
     if stale:
@@ -58,6 +61,19 @@ def clean(*, everything: bool = False, archs: Collection[str] = (), kernels: Col
         for path in doomed:
             _remove(root, path)
     return Cleaned(root, doomed, freed, dry_run)
+
+
+def _check_readable(root: Path) -> None:
+    """A root that exists but cannot be read is an error: cleaning it would remove nothing, silently.
+    One that does not exist (or cannot: a path over the length limit, a file on the way) holds nothing."""
+    try:
+        os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise DSV4JITCacheError(f"dsv4jit: cannot read the kernel cache at {root}: {e.strerror or e}; nothing "
+                                    "was removed (clean needs to read and write DSV4JIT_CACHE_DIR)") from e
 
 
 def _leftovers(root: Path, now: float) -> list[Path]:

@@ -2,19 +2,21 @@
 
 The warm path is: per-process memo hit; or compute the key (toolchain identity and header digests
 are memoised; the identity is cached on disk, so no subprocess runs), read the manifest in each
-root, check the module's size and sha256 against it, and ``dlopen`` the module.
+root, read the module and check its size and sha256 against it, and ``dlopen`` a private copy of
+the bytes checked (`_load_module`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITCacheMiss, DSV4JITToolchainError
-from . import build, cache
+from . import build, cache, compiler
 from .kernels import SPECS
 from .registry import Variant
 from .toolchain import Arch, Toolchain, resolve_arch, toolchain
@@ -26,10 +28,34 @@ _MODULES: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()
 
 
-def _load_module(path: Path):
+#: Descriptors of the private copies of the loaded modules, open for the life of the process: the
+#: dynamic loader knows a library by its path, and a closed descriptor's number (so its path) would
+#: come back for the next copy.
+_COPIES: list[int] = []
+
+
+def _load_module(path: Path, image: bytes):
+    """The tvm-ffi module of `image`, the verified bytes of ``module.so`` at `path`, loaded from a
+    private in-memory copy (a memfd): the loaded code never maps the cache's file, so that nothing
+    done to that file afterwards reaches this process. ``cp`` over a live cache truncates and
+    rewrites a module in place, and a mapped file cut short kills every process that maps it
+    (SIGBUS); a hard link would share the file, so only a copy keeps the bytes. The copy costs the
+    module's size in memory per process (about 1 MB each) and a write of it."""
     import tvm_ffi
 
-    return tvm_ffi.load_module(str(path))
+    fd = os.memfd_create(f"dsv4jit:{path.parent.name}"[:240])  # the name shows in /proc/<pid>/maps
+    try:
+        with open(fd, "wb", closefd=False) as copy:
+            copy.write(image)
+        # tvm_ffi.load_module picks a loader by the file's extension, which /proc/self/fd/<n> lacks: call
+        # the shared-library loader it would pick
+        module = tvm_ffi.get_global_func("ffi.Module.load_from_file.so")(f"/proc/self/fd/{fd}", "so")
+    except BaseException:
+        os.close(fd)  # not loaded: its path names nothing
+        raise
+    _COPIES.append(fd)
+    tvm_ffi.get_global_func("ffi.ModuleGlobalsAdd")(module)  # kept alive, as tvm_ffi.load_module does
+    return module
 
 
 @dataclass(frozen=True)
@@ -42,9 +68,10 @@ class Resolution:
     root: Path  # the write root, where a build of it goes
     info: cache.KeyInfo | None
     entry: Path | None  # verified against its manifest
-    command: build.Command | None
+    command: compiler.Command | None
     toolchain_error: DSV4JITToolchainError | None = None
     damaged: tuple[cache.Damaged, ...] = ()  # entries of this variant found on the way that failed the check
+    image: bytes | None = None  # the bytes of entry's module.so, as verified: what a load maps
 
 
 def resolve(variant: Variant, arch: Arch, root: Path | None = None) -> Resolution:
@@ -58,14 +85,14 @@ def resolve(variant: Variant, arch: Arch, root: Path | None = None) -> Resolutio
     if tc is None:
         # No compiler here (e.g. a serving image with a baked cache): match on everything else.
         # Normalised commands name compilers by token, so a placeholder toolchain gives the same one.
-        command = build.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
+        command = compiler.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
         info = cache.make_key(variant, arch, command.normalized, None)
-        entry, damaged = cache.find_entry(variant, arch, None, info.source_key, root)
-        return Resolution(variant, arch, root, None, entry, None, error, tuple(damaged))
-    command = build.compile_command(variant, arch, tc)
+        entry, image, damaged = cache.find_entry(variant, arch, None, info.source_key, root)
+        return Resolution(variant, arch, root, None, entry, None, error, tuple(damaged), image)
+    command = compiler.compile_command(variant, arch, tc)
     info = cache.make_key(variant, arch, command.normalized, tc.identity(host_only=arch.is_host))
-    entry, damaged = cache.find_entry(variant, arch, info, root=root)
-    return Resolution(variant, arch, root, info, entry, command, None, tuple(damaged))
+    entry, image, damaged = cache.find_entry(variant, arch, info, root=root)
+    return Resolution(variant, arch, root, info, entry, command, None, tuple(damaged), image)
 
 
 def load(variant: Variant, arch: Arch):
@@ -90,7 +117,7 @@ def _load_uncached(variant: Variant, arch: Arch):
             log.warning("dsv4jit: cached %s at %s is damaged (%s); loading %s instead", variant.id, d.entry,
                         d.problem, res.entry)
         try:
-            return _load_module(res.entry / "module.so")
+            return _load_module(res.entry / "module.so", res.image)
         except Exception as e:  # noqa: BLE001 - verified, yet it does not load here: rebuilt once
             distrust = cache.Damaged(res.entry, f"it does not load: {e}")
     if env.no_compile():
@@ -116,10 +143,10 @@ def _reason(res: Resolution, distrust: cache.Damaged | None) -> str:
 
 
 def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None = None,
-                   stop: build.Stop | None = None) -> build.Built:
+                   stop: compiler.Stop | None = None) -> build.Built:
     """Build a resolved variant (`res.info` set: a toolchain was found) into its write root. Damaged
     entries outside the write root, which dsv4jit never modifies, are reported and left; the builder
-    moves the write root's aside. `stop`: that of the batch this build is part of (`build.Stop`)."""
+    moves the write root's aside. `stop`: that of the batch this build is part of (`compiler.Stop`)."""
     own = cache.entry_dir(res.root, res.arch, res.variant, res.info.key)
     for d in res.damaged:
         if d.entry != own:
@@ -127,7 +154,7 @@ def build_resolved(res: Resolution, reason: str, distrust: cache.Damaged | None 
                         d.entry, d.problem)
     tc = toolchain(need_cuda=not res.arch.is_host, root=res.root)
     return build.build(res.variant, res.arch, tc, res.info, res.command, reason, _load_module, res.root, distrust,
-                       stop)
+                       stop, res.damaged)
 
 
 def variant(kernel: str, **params) -> Variant:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITSettingError, DSV4JITToolchainError
+from . import metadata
 
 _NVCC_SEARCH = "DSV4JIT_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda"
 
@@ -147,12 +148,7 @@ def _cached(kind: str, path: Path, compute, valid, cache_file: Path):
     else ``compute()`` (value, files it depends on), stored. A file or record of another form (written
     by hand, or by a broken writer) counts as absent and is replaced."""
     stamp = _stat_key(path)
-    try:
-        table = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
+    table = metadata.load(cache_file)[0] or {}
     entry = table.get(f"{kind}:{path}")
     if (isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("deps"), dict)
             and all(_safe_stat(Path(p)) == s for p, s in entry["deps"].items()) and valid(entry.get("value"))):
@@ -184,7 +180,9 @@ def _run(cmd: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise DSV4JITToolchainError(f"running {' '.join(cmd)} failed: {e}") from e
     if res.returncode != 0:
-        raise DSV4JITToolchainError(f"{' '.join(cmd)} exited with {res.returncode}: {res.stderr.strip()[:500]}")
+        said = res.stderr.strip()[:500]
+        raise DSV4JITToolchainError(f"{' '.join(cmd)} exited with {res.returncode}"
+                                    + (f": {said}" if said else ", with no error message"))
     return res.stdout + res.stderr
 
 
@@ -248,7 +246,8 @@ def _is_identity(value) -> bool:
 
 
 def _find_cxx() -> Path:
-    names = [env.cxx()] if env.cxx() else ["g++", "c++", "clang++"]
+    named = env.cxx()
+    names = [named[1]] if named else ["g++", "c++", "clang++"]
     for name in names:
         found = shutil.which(name) if name else None
         if found:
@@ -258,8 +257,15 @@ def _find_cxx() -> Path:
 
 
 def _cxx_version(cxx: Path, cache_file: Path) -> str:
-    return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), lambda v: isinstance(v, str),
-                   cache_file)
+    try:
+        return _cached("cxx", cxx, lambda: (_run([str(cxx), "--version"]).strip(), []), lambda v: isinstance(v, str),
+                       cache_file)
+    except DSV4JITToolchainError as e:
+        if (named := env.cxx()) is None:
+            raise
+        variable, value = named
+        raise DSV4JITToolchainError(f"{variable}={value!r} names a compiler that does not run ({e}); set it to a "
+                                    "C++20 compiler (g++ or clang++), or unset it") from None
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ import torch
 from .. import arguments, geometry, library, runtime
 from ..family import Family, KernelChoice
 from ..geometry import RATIOS, row_width
-from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
 from ..reference import compress as ref_compress
 from . import binding, common, compressor, online
 
@@ -116,6 +116,7 @@ def _compress_forward(kv_score_buffer, kv_score_input, ape, plan, head_dim, comp
         arguments.explain(_OP, locals(), ("kv_score_buffer", "kv_score_input", "ape"), ("out",))
         raise
     try:
+        check_batch(_OP, plan, {"kv_score_input": kv_score_input})
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(_OP, ape, row_dtype)
         # on the input's device, so that a device mix is the caller's; `out` stays what the caller passed

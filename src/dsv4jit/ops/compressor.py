@@ -19,7 +19,7 @@ import torch
 from .. import runtime
 from ..arguments import STATE_DTYPES
 from ..family import KernelChoice
-from . import binding, common
+from . import binding, checked, common
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ def run(kind: Kind, op: str, kv_score_buffer: torch.Tensor, kv_score_input: torc
     name, params = kind.choice(op, compress_ratio, head_dim, kv_score_buffer, kv_score_input, out)
     fn = runtime.function(name, "decode" if is_decode else "prefill", device, **params)
     status = runtime.status_word(device)
+    if status is not None:
+        checked.compressor(op, kv_score_input, ape, plan_rows, plan_w, head_dim, compress_ratio)
     if is_decode:
         run_decode(fn, kv_score_buffer, kv_score_input, ape, plan_rows, out, status)
     else:

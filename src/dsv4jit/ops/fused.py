@@ -20,8 +20,8 @@ from .. import arguments, library, runtime
 from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..geometry import RATIOS, V4_HEAD_DIM
-from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
-from . import binding, common
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
+from . import binding, checked, common
 from .compress import RING, compress_op
 from .online import KIND as ONLINE
 from .online import RATIO as ONLINE_RATIO
@@ -193,6 +193,7 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with {where} (the V4 cache formats), "
                          f"got {head_dim}")
     try:
+        check_batch(op, plan, {"kv_score_input": kv_score_input}, {"out_loc": out_loc})
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(op, ape, row_dtype)
         weight = norm_weight if norm_weight.dtype == row_dtype else norm_weight.to(row_dtype)
@@ -319,6 +320,8 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     status = runtime.status_word(device, words=2)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
+        checked.fused(_OP, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, head_dim,
+                      compress_ratio)
     # the two steps' rows, or the ring c128 kernel's scratch beside row_counts
     one_kernel = runs_fused(compress_ratio, is_online, is_decode, plan_rows.shape[0])
     blocks = one_kernel and block_units(compress_ratio, is_online)

@@ -16,8 +16,8 @@ from .. import arguments, library, runtime
 from ..arguments import STATE_DTYPES
 from ..family import Family, KernelChoice
 from ..geometry import INDEXER_HEAD_DIM, V4_HEAD_DIM
-from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
-from . import binding, common
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
+from . import binding, checked, common
 from .fused import DESCRIBE, fused_op
 from .store import checked_locations
 
@@ -108,6 +108,8 @@ def _layer(given: dict) -> None:
         if t[name].dtype != dtype and t[name].dtype.is_floating_point:
             t[name] = t[name].to(dtype)
     try:
+        check_batch(op, plan, {n: g[n] for n in ("kv_score_input", "indexer_kv_score_input")},
+                    {n: g[n] for n in ("out_loc", "indexer_out_loc")})
         layer_op(*(t[name] for name in _CORE), g["kvcache_rope"], g["page_size"], *(t[name] for name in _INDEXER),
                  g["indexer_page_size"], plan.plan_rows, plan.write_rows, common.freq_table(g["freq_cis"]), eps,
                  plan.kernel_num_q_tokens, plan.is_decode, plan.reads_state, core_format, indexer_format)
@@ -182,6 +184,8 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
                 checked_locations(plan_rows, locs, RATIO, is_decode)
             except ValueError as e:
                 raise arguments.reworded(step, e, ("out_loc",)) from None
+        checked.layer(_OP, plan_rows, plan_w, freq, RATIO, (kv_score_input, ape, norm_weight, out_loc),
+                      (indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc))
     run_layer(runtime.function(name, "run", device, **params), kv_score_buffer, kv_score_input, ape, norm_weight,
               out_loc, kvcache, kvcache_rope, page_size, indexer_kv_score_buffer, indexer_kv_score_input, indexer_ape,
               indexer_norm_weight, indexer_out_loc, indexer_kvcache, indexer_page_size, plan_rows, plan_w, freq,

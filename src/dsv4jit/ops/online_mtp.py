@@ -6,7 +6,9 @@ states (row = request slot), bank ``k`` the state after the first ``k`` draft to
 ``online_c128_mtp_write_prefix_states`` fills the draft banks from the verify batch's tokens,
 ``online_c128_mtp_mark_pending`` records the lengths before the verify, and
 ``online_c128_mtp_commit_pending`` copies each request's accepted-prefix state into its main row.
-CUDA tensors run csrc/compress/online_mtp.cuh, CPU tensors reference/online_mtp.py.
+CUDA tensors run csrc/compress/online_mtp.cuh, CPU tensors reference/online_mtp.py. The requests are
+checked as the planner checks them (no negative length, no slot named twice) on every all-CPU call
+and, in checked mode, on the GPU; an empty batch (``batch_size`` 0) writes nothing and launches nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 from .. import library, runtime
 from ..arguments import STATE_DTYPES, dtype_key
 from ..family import Family, KernelChoice
+from ..geometry import online_input_width, online_state_width
 from ..jit.kernels import ONLINE_MTP
 from ..reference import online_mtp as ref_mtp
-from . import common
+from . import checked, common
 from .online import RATIO
 
 _WRITE = "online_c128_mtp_write_prefix_states"
@@ -49,6 +52,13 @@ def _function(op: str, export: str, head_dim: int, state: str, device: torch.dev
 def _eager_cuda(t: torch.Tensor) -> bool:
     """After a successful call: whether its signature may take the fast path next time."""
     return not library.tracing() and t.is_cuda and not runtime.checks_enabled()
+
+
+def _widths(op: str, head_dim: int, rows: dict):
+    """After a failed call: the explanation that names head_dim when the rows of `rows` (name ->
+    (tensor, width as a function of head_dim)) do not have its width (a pool of another head_dim)."""
+    return lambda text: common.check_widths(op, text, head_dim, "in the online compressor",
+                                            {name: (t, width(head_dim)) for name, (t, width) in rows.items()})
 
 
 def _scalars(op: str, values: dict) -> None:
@@ -89,7 +99,10 @@ def online_c128_mtp_write_prefix_states(kv_score_input: torch.Tensor, seq_lens: 
                         state, batch_size, num_verify_tokens, state_slot_stride, head_dim)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), ("kv_score_input", "seq_lens", "req_pool_indices", "req_to_token",
-                                              "ape", "state"))
+                                              "ape", "state"), (),
+                            _widths(op, head_dim, {"state": (state, online_state_width),
+                                                   "kv_score_input": (kv_score_input, online_input_width),
+                                                   "ape": (ape, lambda hd: hd)}))
     if ape.dtype == torch.float32 and _eager_cuda(state):
         _WRITE_FAST[(head_dim, state.dtype, ape.dtype, kv_score_input.device)] = _function(
             op, "write_prefix_states", head_dim, common.dtype_name(state, "state", op, STATE_DTYPES), state.device)[0]
@@ -144,7 +157,8 @@ def online_c128_mtp_commit_pending(seq_lens: torch.Tensor, req_pool_indices: tor
                           num_verify_tokens, state_slot_stride, num_req_slots, head_dim)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), ("seq_lens", "req_pool_indices", "req_to_token", "pending_seq_lens",
-                                              "state"))
+                                              "state"), (),
+                            _widths(op, head_dim, {"state": (state, online_state_width)}))
     if _eager_cuda(seq_lens):
         _COMMIT_FAST[(head_dim, state.dtype, seq_lens.device)] = _function(
             op, "commit_pending", head_dim, common.dtype_name(state, "state", op, STATE_DTYPES), state.device)[0]
@@ -163,6 +177,9 @@ def write_prefix_op(kv_score_input: torch.Tensor, seq_lens: torch.Tensor, req_po
     fn, name, params = _function(_WRITE, "write_prefix_states", head_dim,
                                  common.dtype_name(state, "state", _WRITE, STATE_DTYPES), device)
     status = runtime.status_word(device)
+    if status is not None:  # the checks the reference makes on the CPU, before the launch
+        ref_mtp.check_requests(seq_lens, req_pool_indices, batch_size)
+        checked.inputs(_WRITE, kv_score_input=kv_score_input[:batch_size * num_verify_tokens], ape=ape)
     fn(kv_score_input, seq_lens, req_pool_indices, req_to_token, ape, state, batch_size, num_verify_tokens,
        state_slot_stride, status)
     runtime.raise_status(status, _WRITE, name, device, params)
@@ -177,6 +194,8 @@ def mark_pending_op(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, pend
         ref_mtp.mark_pending(seq_lens, req_pool_indices, pending_seq_lens, batch_size, num_req_slots)
         return
     fn, _, _ = _function(_MARK, "mark_pending", head_dim, state, device)
+    if runtime.checks_enabled():
+        ref_mtp.check_requests(seq_lens, req_pool_indices, batch_size)
     fn(seq_lens, req_pool_indices, pending_seq_lens, batch_size, num_req_slots)
 
 
@@ -192,5 +211,7 @@ def commit_pending_op(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, re
         return
     fn, _, _ = _function(_COMMIT, "commit_pending", head_dim,
                          common.dtype_name(state, "state", _COMMIT, STATE_DTYPES), device)
+    if runtime.checks_enabled():
+        ref_mtp.check_requests(seq_lens, req_pool_indices, batch_size)
     fn(seq_lens, req_pool_indices, req_to_token, pending_seq_lens, state, batch_size, num_verify_tokens,
        state_slot_stride, num_req_slots)

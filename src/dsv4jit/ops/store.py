@@ -13,9 +13,9 @@ from .. import arguments, geometry, library, runtime
 from ..arguments import STATE_DTYPES
 from ..geometry import RATIOS
 from ..family import Family, KernelChoice
-from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan
+from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
 from ..reference import store as ref_store
-from . import binding, common
+from . import binding, checked, common
 
 _OP = "compress_norm_rope_store"
 
@@ -77,6 +77,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
     eps = arguments.positive(op, "norm_eps", norm_eps)
     layout_name = common.layout_value(op, layout)
     try:
+        check_batch(op, plan, locations={"out_loc": out_loc})
         if kv.dim() != 2:
             raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
         fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])", layout_name,
@@ -133,6 +134,7 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     status = runtime.status_word(device)
     if status is not None:
         checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
+        checked.store(_OP, kv, plan_rows, norm_weight, freq, out_loc, compress_ratio, is_decode)
     run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, status, page_size, compress_ratio,
               is_decode, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params)

@@ -30,7 +30,7 @@ import torch
 
 from dsv4jit.arguments import distinct, in_range
 from dsv4jit.plan_layout import LegacyRows, decode_legacy_plan, encode_legacy_plan
-from dsv4jit.reference.compress import window_softmax
+from dsv4jit.reference.compress import check_finite, input_use, window_softmax
 
 __all__ = ["LegacyRows", "c4_decode", "c4_prefill", "decode_legacy_plan", "encode_legacy_plan"]
 
@@ -109,6 +109,7 @@ def c4_decode(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indice
         state_row = page * 4 + slot % 4
     else:
         state_row = idx[:, None] * 8 + (L[:, None] + slot) % 8
+    check_finite(kv_score_input, ape, None)  # every request's row is written
 
     flat[index * rows_per + (seq_len - 1) % rows_per] = kv_score_input.to(flat.dtype)
     kv_compressed_output.zero_()
@@ -117,6 +118,18 @@ def c4_decode(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indice
         pooled = _pool(rows, masked, ape, hd, compute_dtype)
         kv_compressed_output[event.to(kv_compressed_output.device)] = pooled.to(kv_compressed_output.dtype)
     return kv_compressed_output
+
+
+def prefill_use(compress_plan: torch.Tensor, write_plan: torch.Tensor, shape: torch.Size, hd: int) -> torch.Tensor:
+    """Which values of a kv_score_input of `shape` a prefill step uses (reference/compress.py,
+    `input_use`): its windows' slots taken from the input, in their role's columns, and the rows it
+    stores."""
+    c, w = decode_legacy_plan(compress_plan), decode_legacy_plan(write_plan)
+    ragged, window_len = c.ragged_id[c.valid], c.window_len[c.valid]
+    slot = torch.arange(_SLOTS)[None, :]
+    from_input = (slot >= window_len[:, None]) & ~_first_window(c.position[c.valid] + 1)
+    rows = ragged[:, None] - (_SLOTS - 1) + slot
+    return input_use(shape, hd, 4, rows[from_input], slot.expand_as(rows)[from_input], w.ragged_id[w.valid])
 
 
 def c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
@@ -168,6 +181,7 @@ def c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indic
         write_row = index[b] * 8 + position % 8
     _check_range("kv_score_buffer rows written (indices / extra pages)", write_row, flat.shape[0])
     distinct("write_plan", write_row, "write the same state row")
+    check_finite(kv_score_input, ape, prefill_use(compress_plan, write_plan, kv_score_input.shape, hd))
 
     # 1. Compress: reads the state as it was before this step's writes.
     if ragged_c.numel():

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, in_range, one_device
+from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, finite, in_range, one_device
 from dsv4jit.geometry import check_ratio, head_dim_multiple, row_width, window_size
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
 
-__all__ = ["compress_prefill", "compress_decode", "window_softmax", "event_window_reference"]
+__all__ = ["check_finite", "compress_prefill", "compress_decode", "event_window_reference", "input_use",
+           "prefill_use", "window_softmax"]
 
 
 #: c4 slots 0–3 play the "overlap" role (previous block), slots 4–7 the "current" role.
@@ -62,6 +63,54 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
         raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
     one_device("reference.compress", {"kv_score_buffer": kv_score_buffer, "kv_score_input": kv_score_input,
                                        "ape": ape, "out": out})
+
+
+def check_finite(kv_score_input: torch.Tensor, ape: torch.Tensor, used: torch.Tensor | None) -> None:
+    """ValueError naming kv_score_input or ape where a value the step uses is NaN or infinite: the
+    input values `used` marks (a bool mask of kv_score_input's shape; None: all of it, as in decode,
+    where every request's row is written) and ape. What no plan row uses may hold anything (CUDA-graph
+    padding rows, the role a window slot does not read), and the state is not checked: a cleared
+    state row's score is -inf by design, as a masked window slot's (their weight is 0)."""
+    if used is None:
+        finite("kv_score_input", kv_score_input)
+    else:  # what is not used counts as 0, so that the index named is the argument's own
+        finite("kv_score_input", kv_score_input.masked_fill(~used.to(kv_score_input.device), 0))
+    finite("ape", ape)
+
+
+def input_use(shape: torch.Size, head_dim: int, compress_ratio: int, read_rows: torch.Tensor,
+              read_slots: torch.Tensor, written_rows: torch.Tensor) -> torch.Tensor:
+    """Which values of a kv_score_input of `shape` a step uses (CPU bool mask): the columns of its
+    slot's role in each row a window reads (`read_rows` at window slots `read_slots`), and every
+    column of each row written to the state ring (later windows read both roles). Rows outside
+    the input are left out: they are a bad plan's, which its range checks name."""
+    used = torch.zeros(shape, dtype=torch.bool)
+    inside = (read_rows >= 0) & (read_rows < shape[0])
+    read_rows, read_slots = read_rows[inside], read_slots[inside]
+    written_rows = written_rows[(written_rows >= 0) & (written_rows < shape[0])]
+    used[written_rows] = True
+    if compress_ratio != 4:  # one role per row: kv | score
+        used[read_rows] = True
+        return used
+    hd = head_dim
+    for slot in range(window_size(compress_ratio)):  # one row per slot and event: no index repeats
+        overlap = slot < _C4_OVERLAP_SLOTS
+        for first in ((0, 2 * hd) if overlap else (hd, 3 * hd)):  # the role's kv and score columns
+            used[read_rows[read_slots == slot], first:first + hd] = True
+    return used
+
+
+def prefill_use(plan_c: torch.Tensor, plan_w: torch.Tensor, shape: torch.Size, head_dim: int,
+                compress_ratio: int) -> torch.Tensor:
+    """`input_use` of a prefill step's plans: its window slots taken from the input, its ring writes."""
+    c, w = decode_compress_plan(plan_c), decode_write_plan(plan_w)
+    valid = c.valid
+    wn = window_size(compress_ratio)
+    slot = torch.arange(wn)[None, :]
+    from_input = (slot >= c.buffer_len[valid][:, None]) & ~_first_window_mask(c.seq_len[valid], compress_ratio)
+    rows = c.ragged_id[valid][:, None] - (wn - 1) + slot
+    return input_use(shape, head_dim, compress_ratio, rows[from_input], slot.expand_as(rows)[from_input],
+                     w.ragged_id[w.valid])
 
 
 def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
@@ -191,6 +240,7 @@ def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, he
     in_range("plan_w", "write_loc", write_loc, flat.shape[0], "the rows of kv_score_buffer")
     # contract §4.4: no two valid writes of one step target the same state row, so writes are order-free.
     distinct("plan_w", write_loc, "write the same state row (write_loc)")
+    check_finite(kv_score_input, ape, prefill_use(plan_c, plan_w, kv_score_input.shape, head_dim, compress_ratio))
     # Every row either pass touches is checked above: a bad plan writes nothing.
 
     # 1. Compress. Everything is gathered before any write below: the compress reads the ring as it
@@ -238,6 +288,7 @@ def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, c
                               buffer_len=torch.full((rows.numel(),), wn, dtype=torch.int64, device=device),
                               read_page_0=d.read_page_0[rows].to(device), read_page_1=d.read_page_1[rows].to(device),
                               compress_ratio=compress_ratio)
+    check_finite(kv_score_input, ape, None)
     # Checked before anything is written. No distinctness check: cuda-graph padding rows (seq_len 1)
     # may share one dummy write_loc.
     flat[write_loc] = kv_score_input.to(flat.dtype)

@@ -30,6 +30,7 @@ import torch
 from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range, one_device
 from dsv4jit.geometry import CHUNK, head_dim_multiple, online_input_width, online_state_width
 from dsv4jit.plan_layout import decode_decode_plan, decode_online_plan
+from dsv4jit.reference.compress import check_finite
 
 __all__ = ["CHUNK", "OnlineState", "online_decode", "online_merge", "online_pool", "online_prefill", "online_reset",
            "online_state_from_row", "online_state_to_row", "online_update", "segment_state"]
@@ -140,6 +141,7 @@ def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out
             _check_slot("plan_d", f"read_page_0 of row {b}", int(d.read_page_0[b]), flat.shape[0])
         if c != CHUNK - 1:
             _check_slot("plan_d", f"write_loc of row {b}", int(d.write_loc[b]), flat.shape[0])
+    check_finite(kv_score_input, ape, None)
     out.zero_()
     for b, c in enumerate(chunk_pos):
         kv = kv_score_input[b, :head_dim].to(dtype)
@@ -175,6 +177,16 @@ def _segments(name: str, plan: torch.Tensor, inputs, ape, flat, head_dim, dtype)
     return result
 
 
+def prefill_use(plan_c: torch.Tensor, plan_w: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Which rows of a kv_score_input of `shape` an online prefill step folds into states (a CPU
+    bool mask of that shape): the tokens of every valid segment row of either plan, within it."""
+    used = torch.zeros(shape, dtype=torch.bool)
+    for rows in map(decode_online_plan, (plan_c, plan_w)):
+        for last, n in zip(rows.ragged_id[rows.valid].tolist(), rows.segment_len[rows.valid].tolist()):
+            used[max(last - n + 1, 0):last + 1] = True
+    return used
+
+
 def online_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head_dim, out, dtype=torch.float32):
     """One prefill step: compress pass (plan_c -> out rows), then write pass (plan_w -> state); returns ``out``."""
     _check(kv_score_buffer, kv_score_input, ape, out, head_dim, plan_c.shape[0])
@@ -185,6 +197,7 @@ def online_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, head
     stores = _segments("plan_w", plan_w, kv_score_input, ape, flat, head_dim, dtype)
     for i, _, slot in stores:
         _check_slot("plan_w", f"store_slot of row {i}", slot, flat.shape[0])
+    check_finite(kv_score_input, ape, prefill_use(plan_c, plan_w, kv_score_input.shape))
     for i, state, _ in pooled:
         out[i] = state.k.to(out.dtype)
     for _, state, slot in stores:

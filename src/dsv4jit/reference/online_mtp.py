@@ -13,18 +13,20 @@ the request's slot), bank ``k`` the state after the first ``k`` draft tokens of 
   (its length now minus the recorded one, clamped to ``[0, V]``); unless ``a == 0`` or the accepted
   prefix closes a chunk, copy bank ``a``'s row into the main row.
 
-Every argument is checked before anything is written.
+Every argument is checked before anything is written, the requests as the planner checks them
+(`check_requests`: no negative length, no slot twice); an empty batch (``batch_size`` 0) writes
+nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range
+from dsv4jit.arguments import STATE_DTYPES, distinct, dtype_in, finite, in_range
 from dsv4jit.geometry import CHUNK, online_input_width, online_state_width
 from dsv4jit.reference.online import online_reset, online_state_from_row, online_state_to_row, online_update
 
-__all__ = ["MAX_VERIFY_TOKENS", "commit_pending", "mark_pending", "write_prefix_states"]
+__all__ = ["MAX_VERIFY_TOKENS", "check_requests", "commit_pending", "mark_pending", "write_prefix_states"]
 
 #: Draft tokens a verify step may feed per request.
 MAX_VERIFY_TOKENS = 8
@@ -41,6 +43,19 @@ def _indices(name: str, t: torch.Tensor, batch_size: int) -> torch.Tensor:
         raise ValueError(f"{name}: expected a vector of at least batch_size = {batch_size} entries, "
                          f"got shape {list(t.shape)}")
     return t[:batch_size].to(torch.int64)
+
+
+def check_requests(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's lengths and slots as int64, checked as the planner checks them: no negative
+    length, and no slot named by two requests (the second would overwrite the first's rows, or its
+    pending length). Slots outside a range an op reads are that op's to check, or to skip."""
+    seq = _indices("seq_lens", seq_lens, batch_size)
+    slots = _indices("req_pool_indices", req_pool_indices, batch_size)
+    if seq.numel() and int(seq.min()) < 0:
+        raise ValueError(f"seq_lens: entries must be >= 0, got {int(seq.min())}")
+    distinct("req_pool_indices", slots, "of the batch name one slot (two requests would write one state)")
+    return seq, slots
 
 
 def _banks(state: torch.Tensor, head_dim: int, num_verify_tokens: int, state_slot_stride: int) -> torch.Tensor:
@@ -91,12 +106,14 @@ def write_prefix_states(kv_score_input: torch.Tensor, seq_lens: torch.Tensor, re
     if list(ape.shape) != [CHUNK, head_dim]:
         raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     _req_to_token(req_to_token)
-    seq = _indices("seq_lens", seq_lens, batch_size)
-    slots = _indices("req_pool_indices", req_pool_indices, batch_size)
+    seq, slots = check_requests(seq_lens, req_pool_indices, batch_size)
     in_range("req_pool_indices", "every entry", slots, state_slot_stride, "the main bank: [0, state_slot_stride)")
-    if seq.numel() and int(seq.min()) < 0:
-        raise ValueError(f"seq_lens: entries must be >= 0, got {int(seq.min())}")
-    tokens = kv_score_input[:batch_size * num_verify_tokens].view(batch_size, num_verify_tokens, -1).to(dtype)
+    tokens = kv_score_input[:batch_size * num_verify_tokens]
+    finite("kv_score_input", tokens)
+    finite("ape", ape)
+    if batch_size == 0:
+        return  # an empty verify writes nothing
+    tokens = tokens.view(batch_size, num_verify_tokens, -1).to(dtype)
     stores = []  # every main state is read before any draft row is written
     for b, (length, slot) in enumerate(zip(seq.tolist(), slots.tolist())):
         start = length % CHUNK
@@ -116,10 +133,9 @@ def mark_pending(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, pending
     """Reset the pending lengths, then record this verify batch's lengths under its slots."""
     _at_least("batch_size", batch_size, 0)
     _pending(pending_seq_lens, num_req_slots)
-    seq = _indices("seq_lens", seq_lens, batch_size)
-    slots = _indices("req_pool_indices", req_pool_indices, batch_size)
+    seq, slots = check_requests(seq_lens, req_pool_indices, batch_size)
     if batch_size == 0:
-        return
+        return  # an empty verify records nothing (and resets nothing)
     pending_seq_lens[:num_req_slots] = -1
     keep = (slots >= 0) & (slots < num_req_slots)
     pending_seq_lens[slots[keep]] = seq[keep]
@@ -136,8 +152,7 @@ def commit_pending(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_t
         raise ValueError(f"state_slot_stride: must be at least num_req_slots = {num_req_slots} (a draft bank must "
                          f"not reach into the main one), got {state_slot_stride}")
     _req_to_token(req_to_token)
-    seq = _indices("seq_lens", seq_lens, batch_size)
-    slots = _indices("req_pool_indices", req_pool_indices, batch_size)
+    seq, slots = check_requests(seq_lens, req_pool_indices, batch_size)
     for length, slot in zip(seq.tolist(), slots.tolist()):
         if not 0 <= slot < num_req_slots or int(pending_seq_lens[slot]) < 0:
             continue  # not a request of the pending verify

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import FLOAT_DTYPES, distinct, dtype_in
+from ..arguments import FLOAT_DTYPES, distinct, dtype_in, finite
 from ..geometry import (
     BF16_TOKEN_BYTES,
     FORMATS,
@@ -336,8 +336,9 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
                   norm_weight: torch.Tensor, freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
                   page_size: int, use_fp4: bool = False, bf16_store: bool = False, num_q_tokens: int = -1,
                   layout="v4", fp8_2buff: bool = False, kvcache_rope: torch.Tensor | None = None) -> StoreRows:
-    """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read), so
-    that a caller that computes kv first (the fused op) can check the store before writing anything."""
+    """Every check of `compress_norm_rope_store` (arguments as there; kv's values are not read: the
+    rows it stores are checked finite by the caller), so that a caller that computes kv first (the
+    fused op) can check the store before writing anything."""
     if kv.dim() != 2:
         raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
     dtype_in("kv", kv, FLOAT_DTYPES)
@@ -364,6 +365,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
     _check_positions(positions, freq)
     page_slot(kvcache, locs, page_size)
+    finite_values(None, keep, positions, norm_weight, freq)
     v4_format = fmt if layout is KVLayout.V4 and not fp8_2buff else None
     return StoreRows(v4_format, layout, fp8_2buff, keep, positions, locs, freq)
 
@@ -376,6 +378,17 @@ def v41_values(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, fre
         return x.to(kv.dtype).to(torch.float32)
 
     return round_to_kv(apply_rope(round_to_kv(rms_norm(kv, norm_weight, norm_eps)), freq, positions))
+
+
+def finite_values(kv: torch.Tensor | None, keep: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
+                  freq: torch.Tensor) -> None:
+    """ValueError naming what the store would read that is not finite: a stored row of kv (`keep`;
+    kv None: rows a fused op computes), the norm weight, or the rope table (`freq`, either form) at
+    a stored position. Rows that are not stored (invalid plan rows) may hold anything."""
+    if kv is not None:
+        finite("kv", kv.detach()[keep.to(kv.device)], rows=keep)
+    finite("norm_weight", norm_weight)
+    finite("freq_cis", freq[positions.to(freq.device)], rows=positions)
 
 
 def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
@@ -400,6 +413,7 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode:
                          freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache, page_size=page_size, use_fp4=use_fp4,
                          bf16_store=bf16_store, num_q_tokens=num_q_tokens, layout=layout, fp8_2buff=fp8_2buff,
                          kvcache_rope=kvcache_rope)
+    finite("kv", kv.detach()[rows.keep.to(kv.device)], rows=rows.keep)
     if rows.keep.numel() == 0:
         return
     # The op's wrapper casts the weight to kv's dtype before the fp32 math.
