@@ -550,7 +550,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(sub.choices)
 
 
-@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "package", "list", "clean", "info"])
 def test_help_explains_every_option_and_shows_its_default(name):
     parser = subcommands()[name]
     formatter = parser._get_formatter()
@@ -565,7 +565,7 @@ def test_help_explains_every_option_and_shows_its_default(name):
     assert all(option in rendered for action in parser._actions for option in action.option_strings)
 
 
-@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "package", "list", "clean", "info"])
 def test_help_says_what_the_subcommand_does(name):
     parser = subcommands()[name]
     lines = parser.format_help().splitlines()
@@ -611,7 +611,7 @@ def test_help_lists_every_subcommand(run):
         run("--help")
     assert exit_.value.code == 0
     out = cli.build_parser().format_help()
-    for name in ("demo", "bench", "precompile", "list", "clean", "info"):
+    for name in ("demo", "bench", "precompile", "package", "list", "clean", "info"):
         assert name in out
 
 

@@ -1,4 +1,4 @@
-"""``python -m dsv4jit`` / ``dsv4jit``: demo, bench, precompile, list, clean, info.
+"""``python -m dsv4jit`` / ``dsv4jit``: demo, bench, precompile, package, list, clean, info.
 
 This package parses arguments and prints, a module per command with its subparser beside it
 (`selection` picks variants and arches for those that take them); what the commands do lives in the
@@ -28,11 +28,11 @@ import traceback
 
 from .. import __version__, env
 from ..errors import DSV4JITError, DSV4JITSettingError, DSV4JITToolchainError
-from . import bench, clean, demo, info, listing, precompile
+from . import bench, clean, demo, info, listing, package, precompile
 from .common import EXIT_BUG, EXIT_FAILED, EXIT_USAGE, Help, UsageError
 
 #: The subcommands, in the order --help lists them.
-COMMANDS = (demo, bench, precompile, listing, clean, info)
+COMMANDS = (demo, bench, precompile, package, listing, clean, info)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,10 @@ def cmd_info(args) -> int:
     lines += [f"gpu {g['index']}: {g['name']} -> {g['arch']}" for g in gpus] or ["gpus: none visible"]
     lines += [f"cache root: {r['path']} ({'writable' if r['writable'] else 'read-only'}, {r['bytes']} B)"
               for r in info["cache_roots"]]
+    if (kernels := info["prebuilt"]) is not None:
+        uses = [f"{arch} {'used' if why is None else f'not used: {why}'}"
+                for arch, why in kernels.get("refused", {}).items()]
+        lines.append(f"prebuilt kernels: {kernels['package']}: {'; '.join(uses) or kernels['problem']}")
     lines += [f"env: {k}={v}" for k, v in info["env"].items()]
     for item in info.get("variant", []):
         lines.append(f"variant {args.variant} {item['arch']}: key {item['key']} entry {item['entry']}")

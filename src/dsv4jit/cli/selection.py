@@ -13,9 +13,11 @@ NO_GPU_ARCH = "9.0a"
 ARCH_DEFAULT = f"(default: DSV4JIT_CUDA_ARCH, else auto; with no GPU visible: {NO_GPU_ARCH}, said on stderr)"
 
 
-def add_selection(sp) -> None:
-    """The options that select variants and arches, and --json."""
-    sp.add_argument("--arch", help=f"targets, e.g. 9.0a or 9.0a,10.0a; 'auto': the visible GPUs {ARCH_DEFAULT}")
+def add_selection(sp, arch_default: str | None = None) -> None:
+    """The options that select variants and arches, and --json; `arch_default`: a fixed --arch default
+    instead of the environment's."""
+    arch_help = "targets, e.g. 9.0a or 9.0a,10.0a; 'auto': the visible GPUs"
+    sp.add_argument("--arch", default=arch_default, help=arch_help if arch_default else f"{arch_help} {ARCH_DEFAULT}")
     sp.add_argument("--kernel", action="append", help="restrict to this kernel (repeatable; default: every kernel)")
     sp.add_argument("--set", action="append",
                     help="'default' (the serving sets), 'all' (every combination), or a variant id such as "
