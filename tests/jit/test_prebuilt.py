@@ -57,6 +57,7 @@ def built_wheel(warm_cache, host_planner, cache_dir, tmp_path, capsys) -> tuple[
 def kernels(request, tmp_path, cache_dir, monkeypatch) -> prebuilt.Package:
     """The package under test (see the module's docstring), found by `prebuilt.installed`, and an
     empty user cache."""
+    monkeypatch.setenv("DSV4JIT_PREBUILT", "1")
     if INSTALLED is None:
         wheel, _ = request.getfixturevalue("built_wheel")
         unpack(wheel, tmp_path / "site")
@@ -279,3 +280,19 @@ def test_a_compile_in_place_of_a_refused_package_says_so_once(kernels, fake_nvcc
     loader.load(selftest, arch)  # the compiled entry is a hit now: no second warning
     warnings = [r.getMessage() for r in caplog.records if "dsv4jit-kernels" in r.getMessage()]
     assert len(warnings) == 1 and "is not used for sm_90a: it was built with CUDA" in warnings[0], warnings
+
+
+def test_dsv4jit_prebuilt_off_ignores_the_package(kernels, no_toolchain, monkeypatch):
+    from dsv4jit import env
+    from dsv4jit.errors import DSV4JITSettingError
+
+    variant, arch = a_cuda_variant(kernels)
+    for value, on in (("", True), ("1", True), ("on", True), ("0", False), ("OFF", False)):
+        monkeypatch.setenv("DSV4JIT_PREBUILT", value)
+        assert env.prebuilt() is on and (prebuilt.installed() is not None) is on
+        assert (loader.resolve(variant, arch).entry is not None) is on, value
+    monkeypatch.delenv("DSV4JIT_PREBUILT")
+    assert env.prebuilt() is True
+    monkeypatch.setenv("DSV4JIT_PREBUILT", "y")
+    with pytest.raises(DSV4JITSettingError, match="DSV4JIT_PREBUILT='y' is not a boolean"):
+        loader.resolve(variant, arch)

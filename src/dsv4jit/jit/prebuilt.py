@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, env
 from ..errors import DSV4JITToolchainError
 from . import cache
 from .registry import Variant
@@ -73,7 +73,10 @@ def build_tags(tc: Toolchain, arches: list[Arch]) -> dict:
 
 
 def installed() -> Package | None:
-    """The installed package of prebuilt kernels, found without importing it; None when there is none."""
+    """The installed package of prebuilt kernels, found without importing it; None when there is none
+    or DSV4JIT_PREBUILT is off."""
+    if not env.prebuilt():
+        return None
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         return None
