@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import FLOAT_DTYPES, distinct, dtype_in
+from ..arguments import FLOAT_DTYPES, contiguous, distinct, dtype_in
 from ..geometry import (
     BF16_TOKEN_BYTES,
     FORMATS,
@@ -74,6 +74,7 @@ def check_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
     if kvcache.shape[1] != expected:
         raise ValueError(f"kvcache rows must be page_bytes({fmt!r}, {page_size}) = {expected} bytes, "
                          f"got {kvcache.shape[1]}")
+    contiguous("kvcache", kvcache)
 
 
 def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: int):
@@ -367,6 +368,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     if kv.dim() != 2:
         raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
     dtype_in("kv", kv, FLOAT_DTYPES)
+    contiguous("kv", kv)
     check_ratio(compress_ratio)
     if plan.shape[0] != kv.shape[0]:
         raise ValueError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
