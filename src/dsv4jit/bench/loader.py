@@ -11,6 +11,9 @@ import statistics
 import subprocess
 import sys
 
+from .. import env
+from . import report
+
 _CHILD = r"""
 import json, sys, time
 import torch, tvm_ffi
@@ -30,6 +33,8 @@ def main(argv=None) -> None:
     p.add_argument("--arch", default="")
     p.add_argument("--processes", type=int, default=10)
     args = p.parse_args(argv)
+    if not args.arch and not env.cuda_arch():  # the target comes from a GPU then
+        report.exit_without_gpu("python -m dsv4jit.bench.loader", "--arch")
     # The first child may compile (cold); the rest measure warm loads.
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD, args.arch], check=True, capture_output=True,
                                       text=True).stdout.strip().splitlines()[-1]) for _ in range(args.processes + 1)]

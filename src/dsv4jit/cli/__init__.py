@@ -13,14 +13,18 @@ library (jit/ for the cache). Exit codes:
 * 3: a bug in dsv4jit: any other exception, a ValueError from inside the library included, with
   its traceback;
 * 130, 143: interrupted by Ctrl-C (SIGINT) or stopped by SIGTERM (128 + the signal, the shell's
-  convention): compiles under way are killed and publish nothing, and one line says so.
+  convention): compiles under way are killed and publish nothing, and one line says so;
+* 141: the reader of the output left before it ended (``| head``), as SIGPIPE would stop the process:
+  nothing more is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -68,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     except DSV4JITError as e:
         print(str(e), file=sys.stderr)
         return EXIT_FAILED
+    except BrokenPipeError:
+        # Quietly, and with stdout on /dev/null: the interpreter's last flush would fail again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (KeyboardInterrupt, Terminated) as e:
         signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
         print(f"dsv4jit: {args.command} stopped by {signum.name}; compiles under way were killed and published "

@@ -36,10 +36,10 @@ def cmd_bench(args) -> int:
     if args.list:
         emit(args, {"benchmarks": names}, names)
         return EXIT_OK
+    if why := report.no_gpu("bench"):
+        raise UsageError(why)
     import torch
 
-    if not torch.cuda.is_available():
-        raise UsageError("bench needs a CUDA GPU; none is visible")
     if not args.out:
         raise UsageError("bench needs --out DIR (or --list)")
     rows = report.run_benchmarks(names, args.only, on_start=lambda n: print(f"running dsv4jit.bench.{n}",

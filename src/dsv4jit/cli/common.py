@@ -27,10 +27,7 @@ class Help(argparse.HelpFormatter):
 
 def columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     """`rows` under a header line that labels their columns, each column as wide as its widest cell (a
-    cell past the header's columns is left out); nothing at all without rows (so that ``list --status
-    missing`` prints nothing for a complete image)."""
-    if not rows:
-        return []
+    cell past the header's columns is left out); the header alone without rows."""
     cells = [header] + [tuple(map(str, row)) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from .common import EXIT_FAILED, EXIT_OK, Help, UsageError, emit
+from .selection import warn_of_arch_setting
 
 
 class _DemoHelp(Help):
@@ -67,6 +68,8 @@ def cmd_demo(args) -> int:
         config.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if device.type == "cpu":
+        warn_of_arch_setting()
     progress = not args.no_progress and sys.stderr.isatty()
     result = run.run_demo(config, str(device), progress=progress)
     emit(args, result.as_dict(), run.format_result(result))
@@ -89,6 +92,8 @@ def _speculative_demo(args) -> int:
         config.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if device.type == "cpu":
+        warn_of_arch_setting()
     result = speculative.run_speculative(config, device)
     emit(args, result.as_dict(), speculative.format_speculative(result))
     return EXIT_OK if result.ok else EXIT_FAILED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from .common import EXIT_FAILED, EXIT_OK, JSON_HELP, emit
-from .selection import ARCH_DEFAULT, archs, variant_id
+from .selection import ARCH_DEFAULT, archs, variant_id, warn_of_arch_setting
 
 
 def add_parser(sub) -> None:
@@ -30,6 +30,8 @@ def cmd_info(args) -> int:
     status = EXIT_OK
     v = variant_id(args.variant) if args.variant else None
     targets = archs(args.arch) if args.check or (v is not None and v.spec.target != "host") else []
+    if not targets:
+        warn_of_arch_setting()
     if v is not None:
         info["variant"] = inventory.variant_keys(v, targets)
     if args.check:

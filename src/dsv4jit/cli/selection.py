@@ -50,6 +50,18 @@ def archs(text: str | None) -> list:
         raise UsageError(str(e)) from None
 
 
+def warn_of_arch_setting() -> None:
+    """For a run that targets no GPU arch: an invalid DSV4JIT_CUDA_ARCH does not stop it, but is said on
+    stderr rather than ignored (every command that targets an arch refuses it)."""
+    from ..errors import DSV4JITSettingError
+    from ..jit.toolchain import forced_arch
+
+    try:
+        forced_arch()
+    except DSV4JITSettingError as e:
+        print(f"dsv4jit: warning: {e} (this command targets no GPU; those that do refuse it)", file=sys.stderr)
+
+
 def spec(kernel: str):
     """The spec of a kernel named on the command line (by --kernel or in a variant id)."""
     from ..jit.kernels import SPECS
