@@ -82,6 +82,8 @@ def installed() -> Package | None:
         return None
     root = Path(next(iter(spec.submodule_search_locations)))
     tags, problem = cache.read_json(root / TAGS, TAG_FIELDS)
+    if tags is not None and not all(isinstance(arch, str) for arch in tags["arches"]):
+        tags, problem = None, f"malformed: its 'arches' is {tags['arches']}"
     return Package(root, tags, None if tags is not None else f"its {TAGS} is {problem}")
 
 
@@ -107,10 +109,10 @@ def platform_fits(built: str, here: str) -> bool:
     if b.group(2) != "glibc":
         return built == here
 
-    def version(m: re.Match) -> tuple[int, ...]:
+    def glibc(m: re.Match) -> tuple[int, ...]:
         return tuple(int(x) for x in m.group(3).split(".") if x)
 
-    return version(h) >= version(b)
+    return glibc(h) >= glibc(b)
 
 
 def refusal(package: Package, arch: Arch, root: Path | None = None) -> str | None:
