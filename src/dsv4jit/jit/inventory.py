@@ -17,10 +17,11 @@ def entries() -> list[dict]:
     """Every entry under every cache root and in the installed prebuilt kernels, with its manifest's
     facts and whether it is an orphan."""
     package = prebuilt.installed()
+    roots = cache.roots() + ([package.root] if package else [])
     return [{"root": str(root), "entry": str(entry), "variant": m.get("variant"), "arch": m.get("arch"),
              "key": m.get("key"), "size": m.get("size"), "build_seconds": m.get("build_seconds"),
              "orphan": is_orphan(m)}
-            for root in cache.roots() + ([package.root] if package else []) for entry, m in cache.iter_entries(root)]
+            for root in roots for entry, m in cache.iter_entries(root)]
 
 
 def variant_status(pairs: list[tuple[Variant, Arch]]) -> list[dict]:
