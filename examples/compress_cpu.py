@@ -5,8 +5,10 @@ GPU and no CUDA compiler needed (the planner's C++ is compiled for the host on f
     python examples/compress_cpu.py
 
 These are the calls a serving stack makes on the GPU (docs/serving.md); with the tensors on a CUDA
-device the kernels run instead.
+device the kernels run instead. The last line checks the result: PASS, or FAIL and exit status 1.
 """
+
+import sys
 
 import torch
 
@@ -65,7 +67,9 @@ seq_lens = seq_lens + 1
 out_loc = cache_locations(req_pool_indices, seq_lens - 1)
 plan = CompressorDecodePlan.generate(4, req_pool_indices, req_to_token, full_to_state, seq_lens,
                                      swa_page_size=256, ring_size=8)
-compress_and_store(state, torch.randn(2, 4 * 512, generator=gen), ape, plan, head_dim=512, compress_ratio=4,
+kv_score = torch.randn(2, 4 * 512, generator=gen)
+state_before, cache_before = state.clone(), cache.clone()  # the same step as two calls, in the check below
+compress_and_store(state, kv_score, ape, plan, head_dim=512, compress_ratio=4,
                    norm_weight=w, norm_eps=1e-6, freq_cis=freqs_cis, out_loc=out_loc, kvcache=cache, page_size=64)
 
 # --- read back what request slot 0 holds now: one compressed token per 4 positions ------------------
@@ -73,3 +77,18 @@ locs = cache_locations(torch.zeros(132, dtype=torch.int64), torch.arange(132))
 rows = read_cache("v4_fp8", cache, locs[locs > 0], 64)
 print(f"decode: request slot 0 holds {rows.shape[0]} compressed tokens of {rows.shape[1]} values "
       f"(RMS {float(rows.pow(2).mean().sqrt()):.2f})")
+
+# --- check: the one op and the two calls write the same bytes; each window slot 0 closed is stored --
+kv = compress_forward(state_before.view(-1, 4, 4 * 512), kv_score, ape, plan, head_dim=512, compress_ratio=4)
+compress_norm_rope_store(kv, plan, norm_weight=w, norm_eps=1e-6, freq_cis=freqs_cis, out_loc=out_loc,
+                         kvcache=cache_before, page_size=64)
+same = torch.equal(state, state_before) and torch.equal(cache, cache_before)
+closed = 132 // 4  # positions 0-131 of request slot 0 close windows at 3, 7, ..., 131
+stored = int((rows.abs().sum(dim=1) > 0).sum())  # a token never written reads as zeros
+if same and stored == closed:
+    print("PASS: compress_and_store wrote what compress_forward and compress_norm_rope_store write, "
+          f"and request slot 0 holds all {closed} of its compressed tokens")
+else:
+    print(f"FAIL: the one op and the two calls wrote {'the same' if same else 'different'} bytes; "
+          f"request slot 0 holds {stored} of its {closed} compressed tokens")
+    sys.exit(1)

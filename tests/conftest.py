@@ -1,7 +1,8 @@
 """Shared fixtures for the JIT loader and CLI tests (CPU only; some tests need nvcc, no GPU).
 
-* Loader and CLI tests (``pytestmark = pytest.mark.usefixtures("jit_env")``) get their own empty kernel cache (``DSV4JIT_CACHE_DIR``), the target ``9.0a`` and no
-  other ``DSV4JIT_*`` setting except ``DSV4JIT_NVCC``, with the loader's process memos reset.
+* Loader and CLI tests (``pytestmark = pytest.mark.usefixtures("jit_env")``) get their own empty kernel cache (``DSV4JIT_CACHE_DIR``), the target ``9.0a``,
+  installed prebuilt kernels ignored (``DSV4JIT_PREBUILT=0``) and no other ``DSV4JIT_*`` setting
+  except ``DSV4JIT_NVCC``, with the loader's process memos reset.
 * ``prebuilt`` compiles ``selftest[dtype=fp32,pdl=1]`` for sm_90a once per session with the real
   toolchain; ``warm_cache`` copies that cache into the test's cache dir, so most tests start warm
   without paying for a compile (about 8 s each).
@@ -59,6 +60,7 @@ def _hermetic_env(mp: pytest.MonkeyPatch, cache_dir: Path) -> None:
             mp.delenv(name)
     mp.setenv("DSV4JIT_CACHE_DIR", str(cache_dir))
     mp.setenv("DSV4JIT_CUDA_ARCH", ARCH_TEXT)
+    mp.setenv("DSV4JIT_PREBUILT", "0")  # installed prebuilt kernels only where a test asks for them
 
 
 def _reset_memos() -> None:

@@ -7,8 +7,8 @@ a rule (the dtypes a state pool may have, an index range, a tensor's shape) is w
 * Dtypes (`FLOAT_DTYPES`, `STATE_DTYPES`, `dtype_key`): what the kernels take, by our dtype names.
 * Tensors (`TensorCheck`): the rules and messages of tensor_check.h for the CPU paths that stand in
   for a kernel.
-* Data (`dtype_in`, `in_range`, `distinct`, `finite`): the references' checks, whose messages start
-  with the argument's name (``plan_w: write_loc must lie in ...``); `reworded` turns such a message
+* Data (`dtype_in`, `contiguous`, `in_range`, `distinct`, `finite`): the references' checks, whose messages
+  start with the argument's name (``plan_w: write_loc must lie in ...``); `reworded` turns such a message
   into the public function's (``dsv4jit.<function>: argument 'plan' (plan_w): ...``).
 
 Hot paths pay for no more than a type test per scalar: tensor arguments are checked by the kernel
@@ -174,6 +174,14 @@ def dtype_in(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype], why: st
     allowed = tuple(allowed)
     if t.dtype not in allowed:
         raise TypeError(f"{name}: expected dtype {dtype_names(allowed)}{why}, got {t.dtype}")
+
+
+def contiguous(name: str, t: torch.Tensor) -> None:
+    """ValueError unless `t` is contiguous (row-major): the kernels refuse any other layout of a tensor
+    they read or write by rows (tensor_check.h), so a CPU call must too, or it would pass where the
+    same call on the GPU fails."""
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (row-major), got strides {list(t.stride())}")
 
 
 def in_range(name: str, what: str, values, size: int, of: str = "") -> None:

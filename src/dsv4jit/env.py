@@ -74,6 +74,11 @@ def cache_path() -> list[Path]:
     return [_path("DSV4JIT_CACHE_PATH", p) for p in raw.split(os.pathsep) if p]
 
 
+def prebuilt() -> bool:
+    """Whether the installed prebuilt kernels are searched (DSV4JIT_PREBUILT; unset or empty: on)."""
+    return _flag("DSV4JIT_PREBUILT") if _raw("DSV4JIT_PREBUILT") else True
+
+
 def no_compile() -> bool:
     return _flag("DSV4JIT_NO_COMPILE")
 

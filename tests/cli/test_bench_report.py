@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -215,7 +217,8 @@ def test_with_matplotlib_one_png_per_benchmark_that_counts_bytes(tmp_path):
 
 # ---------------------------------------------------------------------------- command lines
 
-def test_a_module_alone_prints_its_rows_as_markdown_or_json(capsys):
+def test_a_module_alone_prints_its_rows_as_markdown_or_json(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rows here are made up: no GPU runs them
     asked = []
 
     def run(only):
@@ -227,6 +230,18 @@ def test_a_module_alone_prints_its_rows_as_markdown_or_json(capsys):
     report.main("doc", run, ["--json"])
     got = json.loads(capsys.readouterr().out)
     assert [Row(**r) for r in got] == ROWS[:2]
+
+
+@pytest.mark.parametrize("name", [*report.discover(), "loader"])
+def test_a_module_alone_without_a_gpu_says_it_needs_one(name):
+    """As `dsv4jit bench` does: one line and exit 2, not a CUDA error's traceback (GPUs hidden)."""
+    res = subprocess.run([sys.executable, "-m", f"dsv4jit.bench.{name}"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("DSV4JIT_")}
+                         | {"CUDA_VISIBLE_DEVICES": ""})
+    needs = "a CUDA GPU or --arch" if name == "loader" else "a CUDA GPU"
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.splitlines()[-1] == f"dsv4jit: python -m dsv4jit.bench.{name} needs {needs}; none is visible"
+    assert "Traceback" not in res.stderr
 
 
 def test_discover_finds_the_benchmark_modules():

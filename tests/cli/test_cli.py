@@ -194,8 +194,19 @@ def test_list_shows_status(run, warm_cache):
     assert ("missing", "selftest[dtype=bf16,pdl=0]", "sm_90a", "-", "-") in lines
     assert len(lines) == len(SELFTEST.all_variants())  # every selftest variant, once
     assert all(row.index("sm_90a") == header.index("arch") for row in rows)  # columns under their labels
+
+
+def test_list_status_missing_fails_when_something_is_missing_and_always_has_its_header(run, warm_cache):
+    """What serving.md offers to verify an image: its exit status says whether the image is complete."""
     code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID, "--status", "missing")
-    assert (code, out) == (0, "")  # nothing missing: not even the header
+    assert (code, out.split()) == (0, ["status", "variant", "arch", "bytes", "build", "s"])  # nothing missing
+    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all", "--status", "missing")
+    header, *rows = out.splitlines()
+    assert code == 1 and header.split()[:3] == ["status", "variant", "arch"]
+    assert len(rows) == len(SELFTEST.all_variants()) - 1 and all(r.startswith("missing ") for r in rows)
+    assert f"{len(rows)} of {len(rows) + 1} selected variants are missing" in err
+    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all", "--status", "missing")
+    assert code == 1 and len(payload["variants"]) == len(rows)
 
 
 def test_list_json_and_status_filter(run, warm_cache):
@@ -337,6 +348,28 @@ def test_clean_stale_removes_superseded_keys(run, warm_cache, monkeypatch):
 
 # --------------------------------------------------------------------------------------------
 # info
+
+
+@pytest.mark.parametrize("argv", [["list", "--set", "all", "--arch", "9.0a,10.0a"], ["info", "plan[pdl=1]"]],
+                         ids=["list", "info"])
+def test_output_into_a_reader_that_left_exits_quietly(argv, warm_cache):
+    """`dsv4jit list ... | head -1`: the reader is gone before the output is: no traceback, no 'internal
+    error', the exit status of a process stopped by SIGPIPE."""
+    child = subprocess.Popen([sys.executable, "-m", "dsv4jit", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before the child writes: its first write finds no reader
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 128 + 13 and err == ""
+
+
+@pytest.mark.parametrize("value, words", [("8.0", "unsupported CUDA arch '8.0' (sm_80)"),
+                                          ("garbage", "invalid CUDA arch 'garbage'")])
+def test_info_warns_of_an_invalid_arch_setting_and_its_check_refuses_it(run, warm_cache, monkeypatch, value, words):
+    monkeypatch.setenv("DSV4JIT_CUDA_ARCH", value)
+    code, out, err = run("info")
+    assert code == 0 and f"env: DSV4JIT_CUDA_ARCH={value}" in out
+    assert err.startswith(f"dsv4jit: warning: DSV4JIT_CUDA_ARCH: {words}"), err
+    code, out, err = run("info", "--check")
+    assert (code, out) == (2, "") and err.startswith(f"dsv4jit: DSV4JIT_CUDA_ARCH: {words}"), err
 
 
 def test_info_text(run, warm_cache):
@@ -550,7 +583,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(sub.choices)
 
 
-@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "package", "list", "clean", "info"])
 def test_help_explains_every_option_and_shows_its_default(name):
     parser = subcommands()[name]
     formatter = parser._get_formatter()
@@ -565,7 +598,7 @@ def test_help_explains_every_option_and_shows_its_default(name):
     assert all(option in rendered for action in parser._actions for option in action.option_strings)
 
 
-@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "list", "clean", "info"])
+@pytest.mark.parametrize("name", ["demo", "bench", "precompile", "package", "list", "clean", "info"])
 def test_help_says_what_the_subcommand_does(name):
     parser = subcommands()[name]
     lines = parser.format_help().splitlines()
@@ -611,7 +644,7 @@ def test_help_lists_every_subcommand(run):
         run("--help")
     assert exit_.value.code == 0
     out = cli.build_parser().format_help()
-    for name in ("demo", "bench", "precompile", "list", "clean", "info"):
+    for name in ("demo", "bench", "precompile", "package", "list", "clean", "info"):
         assert name in out
 
 

@@ -160,6 +160,17 @@ def test_cli_demo_json(fused, capsys):
     assert {c["part"] for c in payload["checks"]} == {"state", "cache"} and all(c["ok"] for c in payload["checks"])
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["demo", "speculative"])
+def test_a_cpu_demo_warns_of_an_invalid_arch_setting(speculative, capsys, monkeypatch):
+    """The CPU demo builds no GPU kernel, so DSV4JIT_CUDA_ARCH does not stop it, but a wrong one is said."""
+    monkeypatch.setenv("DSV4JIT_CUDA_ARCH", "garbage")
+    code = cli.main(["demo", "--device", "cpu", "--requests", "1", "--min-prompt", "130", "--max-prompt", "130",
+                     "--decode-steps", "2", "--layers", "1", "--no-check", "--no-progress", "--json"]
+                    + (["--speculative"] if speculative else []))
+    assert code == 0
+    assert capsys.readouterr().err.startswith("dsv4jit: warning: DSV4JIT_CUDA_ARCH: invalid CUDA arch 'garbage'")
+
+
 @pytest.mark.parametrize("argv, message", [(["--device", "cpu", "--requests", "0"], "requests"),
                                            (["--device", "cpu", "--min-prompt", "9", "--max-prompt", "8"], "max_prompt"),
                                            (["--device", "tpu"], "device")])

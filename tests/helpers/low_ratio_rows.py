@@ -1,4 +1,4 @@
-"""Rows of one step of a ratio-1 / ratio-2 layer (contract §10.4, §10.6), drawn on the CPU from a seed:
+"""Rows of one step of a ratio-1 / ratio-2 layer (contract §10.4, contract §10.6), drawn on the CPU from a seed:
 per row its request slot, position and full-pool slot (raw_out_loc; 0 = a padded row), requests back to
 back with pages of their own (page 0, the padding sink, never handed out), and an extend's
 extend_start_loc / extend_seq_lens."""

@@ -229,6 +229,16 @@ def permuted(name):
     return lambda kw: kw[name].transpose(0, 1)
 
 
+def strided(name):
+    """The same values as every other column of a tensor twice as wide (``x[:, ::2]``)."""
+    return lambda kw: kw[name].repeat_interleave(2, dim=-1)[..., ::2]
+
+
+def column_major(name):
+    """The same values and shape, stored column by column (a transposed tensor)."""
+    return lambda kw: kw[name].t().contiguous().t()
+
+
 def real_freq(kw):
     """The fp32 table with one column per pair: half of what the real (cos, sin) table has."""
     return torch.view_as_real(kw["freq_cis"])[..., 0].contiguous()
@@ -307,6 +317,23 @@ ROWS = [
     ("compress_forward", "kv_score_input", lambda kw: kw["kv_score_input"].tolist(), TypeError,
      r" must be a torch.Tensor, got list"),
     ("compress_forward", "kv_score_buffer", permuted("kv_score_buffer"), ValueError, r": must be contiguous"),
+    # the kernels refuse a tensor that is not contiguous (tensor_check.h): so does the CPU path, with their words
+    ("compress_forward", "kv_score_input", strided("kv_score_input"), ValueError,
+     r": must be contiguous \(row-major\), got strides \[1024, 2\]"),
+    ("compress_forward (decode)", "kv_score_input", strided("kv_score_input"), ValueError,
+     r": must be contiguous \(row-major\)"),
+    ("compress_forward (online)", "kv_score_input", strided("kv_score_input"), ValueError,
+     r": must be contiguous \(row-major\)"),
+    ("compress_norm_rope_store", "kvcache", column_major("kvcache"), ValueError,
+     r": must be contiguous \(row-major\), got strides \[1, \d+\]"),
+    ("compress_norm_rope_store", "kv", strided("kv"), ValueError, r": must be contiguous \(row-major\)"),
+    ("compress_and_store", "kv_score_input", strided("kv_score_input"), ValueError,
+     r": must be contiguous \(row-major\)"),
+    ("compress_and_store", "kvcache", column_major("kvcache"), ValueError, r": must be contiguous \(row-major\)"),
+    ("compress_and_store (online)", "kv_score_input", strided("kv_score_input"), ValueError,
+     r": must be contiguous \(row-major\)"),
+    ("compress_and_store (online)", "kvcache", column_major("kvcache"), ValueError,
+     r": must be contiguous \(row-major\)"),
     ("compress_forward", "kv_score_buffer", cast("kv_score_buffer", torch.int32), TypeError,
      r": expected dtype float32 or bfloat16, got torch.int32"),
     ("compress_forward", "ape", shape("ape", slice(0, 4)), ValueError, r": expected shape \[8, 128\], got \[4, 128\]"),

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4.1 ratio-1 and ratio-2 compressors through the public API (contract §10.4, §10.5): each
+"""The DeepSeek-V4.1 ratio-1 and ratio-2 compressors through the public API (contract §10.4, contract §10.5): each
 op on the GPU against the torch reference on the same inputs (pair rings, caches and outputs start
 random, so a stray or missing write shows), over every layout, decode, verify and ragged extends with
 padded rows; an empty batch; the CUDA-graph capture of a decode step; bad input named on the CPU.

@@ -14,6 +14,9 @@ import statistics
 import subprocess
 import sys
 
+from .. import env
+from . import report
+
 _CHILD = r"""
 import json, sys, time
 import torch, tvm_ffi
@@ -37,6 +40,8 @@ def main(argv=None) -> None:
     p.add_argument("--arch", default="", help="the selftest module's (default: the GPU's, or DSV4JIT_CUDA_ARCH)")
     p.add_argument("--processes", type=int, default=10)
     args = p.parse_args(argv)
+    if not args.arch and not env.cuda_arch():  # the target comes from a GPU then
+        report.exit_without_gpu("python -m dsv4jit.bench.loader", "--arch")
     # The first child may compile (cold); the rest measure warm loads.
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD, args.arch, args.kernel], check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])

@@ -15,6 +15,7 @@ import importlib
 import json
 import math
 import pkgutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,13 +67,32 @@ def run_benchmarks(names: list[str], only: str = "",
     return rows
 
 
+def no_gpu(what: str, alternative: str = "") -> str | None:
+    """Why `what` cannot run here (``... needs a CUDA GPU; none is visible``), or None where a GPU is
+    visible; `alternative`: what else would do instead of one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"{what} needs a CUDA GPU{f' or {alternative}' if alternative else ''}; none is visible"
+
+
+def exit_without_gpu(what: str, alternative: str = "") -> None:
+    """A module run alone exits as ``dsv4jit bench`` does without a GPU: one line, exit status 2."""
+    if why := no_gpu(what, alternative):
+        print(f"dsv4jit: {why}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(description: str, run: Callable[[str], list[Row]], argv=None) -> None:
     """The command line of a benchmark module run alone: ``[--json] [--only TEXT]``; prints its rows
-    as the combined report does (markdown), or as JSON."""
+    as the combined report does (markdown), or as JSON. Needs a GPU, as every benchmark does."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--only", default="", help="run the cases whose name contains this text (default: every case)")
     args = p.parse_args(argv)
+    module = sys.modules[run.__module__]  # run alone, "__main__": its import name is its spec's
+    exit_without_gpu(f"python -m {module.__spec__.name if module.__spec__ else run.__module__}")
     rows = run(args.only)
     print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) if args.json else markdown(rows))
 

@@ -118,7 +118,9 @@ class KeyInfo:
 
 
 def make_key(variant: Variant, arch: Arch, normalized_command: list[str], toolchain_identity: dict | None,
-             header_digests: dict[str, str] | None = None) -> KeyInfo:
+             header_digests: dict[str, str] | None = None, platform: str | None = None) -> KeyInfo:
+    """`platform`: another platform tag than this machine's (the keys of prebuilt kernels built on a
+    compatible one, jit/prebuilt.py)."""
     tvm = tvm_ffi_info()
     document = {
         "schema": SCHEMA,
@@ -129,7 +131,7 @@ def make_key(variant: Variant, arch: Arch, normalized_command: list[str], toolch
         "arch": arch.name,
         "cudart": "none" if arch.is_host else "static",
         "tvm_ffi": {"version": tvm["version"], "include_digest": tvm["include_digest"]},
-        "platform": platform_tag(),
+        "platform": platform or platform_tag(),
     }
     source_key = _hash(document)
     if toolchain_identity is not None:
@@ -266,8 +268,14 @@ def find_entry(variant: Variant, arch: Arch, info: KeyInfo | None, source_key: s
     """First verified entry in the roots (`roots`) with its module's bytes (`verified_module`), and
     the damaged ones met on the way. With no toolchain (``info`` None) match on the source key. A
     root that cannot be read is searched as an empty one."""
+    return search(roots(root), variant, arch, info, source_key)
+
+
+def search(searched_roots: list[Path], variant: Variant, arch: Arch, info: KeyInfo | None,
+           source_key: str | None = None) -> tuple[Path | None, bytes | None, list[Damaged]]:
+    """`find_entry` in the given roots, in their order."""
     damaged: list[Damaged] = []
-    for searched in roots(root):
+    for searched in searched_roots:
         if info is not None:
             candidates = [entry_dir(searched, arch, variant, info.key)]
         else:

@@ -7,18 +7,21 @@ import sys
 
 from .. import __version__, env
 from ..errors import DSV4JITToolchainError
-from . import cache, loader
+from . import cache, loader, prebuilt
 from .clean import is_orphan
 from .registry import Variant
 from .toolchain import Arch, device_arch, toolchain
 
 
 def entries() -> list[dict]:
-    """Every entry under every cache root, with its manifest's facts and whether it is an orphan."""
+    """Every entry under every cache root and in the installed prebuilt kernels, with its manifest's
+    facts and whether it is an orphan."""
+    package = prebuilt.installed()
+    roots = cache.roots() + ([package.root] if package else [])
     return [{"root": str(root), "entry": str(entry), "variant": m.get("variant"), "arch": m.get("arch"),
              "key": m.get("key"), "size": m.get("size"), "build_seconds": m.get("build_seconds"),
              "orphan": is_orphan(m)}
-            for root in cache.roots() for entry, m in cache.iter_entries(root)]
+            for root in roots for entry, m in cache.iter_entries(root)]
 
 
 def variant_status(pairs: list[tuple[Variant, Arch]]) -> list[dict]:
@@ -68,5 +71,18 @@ def installation() -> dict:
     info["cache_roots"] = [{"path": str(r), "writable": i == 0 and cache.unwritable(r) is None,
                             "read_only_search_root": i > 0, "bytes": cache.dir_size(r)}
                            for i, r in enumerate(cache.roots())]
+    info["prebuilt"] = _prebuilt_facts()
     info["env"] = env.all_settings()
     return info
+
+
+def _prebuilt_facts() -> dict | None:
+    """The installed prebuilt kernels: where, their tags, and for each arch they hold whether this
+    process uses them (None) or why not."""
+    package = prebuilt.installed()
+    if package is None:
+        return None
+    facts = {"package": str(package), "root": str(package.root), "tags": package.tags, "problem": package.problem}
+    if package.tags is not None:
+        facts["refused"] = {name: prebuilt.refusal(package, Arch(name)) for name in package.tags["arches"]}
+    return facts

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import DSV4JITCacheMiss, DSV4JITToolchainError
-from . import build, cache, compiler
+from . import build, cache, compiler, prebuilt
 from .kernels import SPECS
 from .registry import Variant
 from .toolchain import Arch, Toolchain, resolve_arch, toolchain
@@ -75,7 +75,8 @@ class Resolution:
 
 
 def resolve(variant: Variant, arch: Arch, root: Path | None = None) -> Resolution:
-    """Key and cache lookup, without building. Works without a compiler via the source key.
+    """Key and cache lookup, without building. Works without a compiler via the source key. A miss
+    in the roots is looked up in the installed prebuilt kernels (jit/prebuilt.py).
     `root`: the write root (default: DSV4JIT_CACHE_DIR's)."""
     root = cache.write_root(root)
     try:
@@ -87,12 +88,25 @@ def resolve(variant: Variant, arch: Arch, root: Path | None = None) -> Resolutio
         # Normalised commands name compilers by token, so a placeholder toolchain gives the same one.
         command = compiler.compile_command(variant, arch, PLACEHOLDER_TOOLCHAIN)
         info = cache.make_key(variant, arch, command.normalized, None)
-        entry, image, damaged = cache.find_entry(variant, arch, None, info.source_key, root)
+        entry, image, damaged = _or_prebuilt(cache.find_entry(variant, arch, None, info.source_key, root), variant,
+                                             arch, command, root)
         return Resolution(variant, arch, root, None, entry, None, error, tuple(damaged), image)
     command = compiler.compile_command(variant, arch, tc)
     info = cache.make_key(variant, arch, command.normalized, tc.identity(host_only=arch.is_host))
-    entry, image, damaged = cache.find_entry(variant, arch, info, root=root)
+    entry, image, damaged = _or_prebuilt(cache.find_entry(variant, arch, info, root=root), variant, arch, command,
+                                         root)
     return Resolution(variant, arch, root, info, entry, command, None, tuple(damaged), image)
+
+
+def _or_prebuilt(found: tuple[Path | None, bytes | None, list[cache.Damaged]], variant: Variant, arch: Arch,
+                 command: compiler.Command, root: Path) -> tuple[Path | None, bytes | None, list[cache.Damaged]]:
+    """`found` (entry, its module's bytes, damaged) of the roots; on a miss, the installed prebuilt
+    kernels' entry."""
+    entry, image, damaged = found
+    if entry is not None:
+        return found
+    entry, image, more = prebuilt.find_entry(variant, arch, command.normalized, root)
+    return entry, image, damaged + more
 
 
 def load(variant: Variant, arch: Arch):
@@ -122,13 +136,15 @@ def _load_uncached(variant: Variant, arch: Arch):
             distrust = cache.Damaged(res.entry, f"it does not load: {e}")
     if env.no_compile():
         raise DSV4JITCacheMiss(build.not_cached(variant, arch, res.info.key if res.info else None,
-                                                "DSV4JIT_NO_COMPILE=1", build.fix_command(variant, arch), res.root,
+                                                f"DSV4JIT_NO_COMPILE=1{prebuilt.note(arch, res.root)}",
+                                                build.fix_command(variant, arch), res.root,
                                                 res.damaged + ((distrust,) if distrust else ())))
     if res.toolchain_error is not None:
         # Precompiling here would fail the same way: the fix is a compiler, or a cache built elsewhere.
-        raise DSV4JITToolchainError(f"{res.toolchain_error}. Fix: install the compiler, or run "
-                                    f"{build.fix_command(variant, arch)} where it is and add that cache to "
-                                    "DSV4JIT_CACHE_PATH")
+        raise DSV4JITToolchainError(f"{res.toolchain_error}{prebuilt.note(arch, res.root)}. Fix: install the "
+                                    f"compiler, or run {build.fix_command(variant, arch)} where it is and add that "
+                                    "cache to DSV4JIT_CACHE_PATH")
+    prebuilt.warn_refused(arch, res.root)
     return build_resolved(res, _reason(res, distrust), distrust).module
 
 

@@ -222,6 +222,12 @@ class Toolchain:
     cxx: Path
     cxx_version: str
 
+    @property
+    def cuda_release(self) -> str | None:
+        """The toolkit's ``major.minor`` (``13.0``), from nvcc's ``release 13.0, V13.0.88`` line."""
+        m = re.search(r"release (\d+\.\d+)", self.nvcc_version)
+        return m.group(1) if m else None
+
     def identity(self, host_only: bool) -> dict:
         """What enters cache keys: version texts and the real toolkit root, never PATH spellings."""
         ident = {"cxx_version": self.cxx_version}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, distinct, dtype_in, finite, in_range, one_device
+from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, contiguous, distinct, dtype_in, finite, in_range, one_device
 from dsv4jit.geometry import check_ratio, head_dim_multiple, row_width, window_size
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
 
@@ -49,6 +49,7 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
     wn = window_size(compress_ratio)
     dtype_in("kv_score_buffer", kv_score_buffer, STATE_DTYPES)
     dtype_in("kv_score_input", kv_score_input, FLOAT_DTYPES)
+    contiguous("kv_score_input", kv_score_input)
     if ape.dtype != kv_score_input.dtype:
         raise TypeError(f"ape: expected the input dtype {kv_score_input.dtype}, got {ape.dtype}")
     dtype_in("out", out, FLOAT_DTYPES)
@@ -115,8 +116,7 @@ def prefill_use(plan_c: torch.Tensor, plan_w: torch.Tensor, shape: torch.Size, h
 
 def _flat_state(kv_score_buffer: torch.Tensor, last_dim: int) -> torch.Tensor:
     """The pool as ``[rows, last_dim]``; a view, so writes land in the caller's buffer."""
-    if not kv_score_buffer.is_contiguous():
-        raise ValueError(f"kv_score_buffer: must be contiguous (row-major), got strides {list(kv_score_buffer.stride())}")
+    contiguous("kv_score_buffer", kv_score_buffer)
     return kv_score_buffer.view(-1, last_dim)
 
 

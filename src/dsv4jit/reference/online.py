@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsv4jit.arguments import STATE_DTYPES, dtype_in, in_range, one_device
+from dsv4jit.arguments import STATE_DTYPES, contiguous, dtype_in, in_range, one_device
 from dsv4jit.geometry import CHUNK, head_dim_multiple, online_input_width, online_state_width
 from dsv4jit.plan_layout import decode_decode_plan, decode_online_plan
 from dsv4jit.reference.compress import check_finite
@@ -111,11 +111,12 @@ def _check(state, inputs, ape, out, head_dim, out_rows):
     dtype_in("ape", ape, (torch.float32,), " (online c128)")
     dtype_in("out", out, (torch.float32, torch.float64))  # fp64: the tests' model output
     width, input_width = online_state_width(head_dim), online_input_width(head_dim)
-    if state.shape[-1] != width or not state.is_contiguous():
-        raise ValueError(f"kv_score_buffer: expected a contiguous [rows, 1, {width}] (or flat) state, "
-                         f"got shape {list(state.shape)}")
+    if state.shape[-1] != width:
+        raise ValueError(f"kv_score_buffer: expected a [rows, 1, {width}] (or flat) state, got shape {list(state.shape)}")
+    contiguous("kv_score_buffer", state)
     if inputs.dim() != 2 or inputs.shape[1] != input_width:
         raise ValueError(f"kv_score_input: expected shape [rows, {input_width}], got {list(inputs.shape)}")
+    contiguous("kv_score_input", inputs)
     if list(ape.shape) != [CHUNK, head_dim]:
         raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     if list(out.shape) != [out_rows, head_dim]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4jit.arguments import STATE_DTYPES, distinct, dtype_in, finite, in_range
+from dsv4jit.arguments import STATE_DTYPES, contiguous, distinct, dtype_in, finite, in_range
 from dsv4jit.geometry import CHUNK, online_input_width, online_state_width
 from dsv4jit.reference.online import online_reset, online_state_from_row, online_state_to_row, online_update
 
@@ -65,8 +65,9 @@ def _banks(state: torch.Tensor, head_dim: int, num_verify_tokens: int, state_slo
     _at_least("state_slot_stride", state_slot_stride, 1)
     dtype_in("state", state, STATE_DTYPES)
     width = online_state_width(head_dim)
-    if list(state.shape[1:]) not in ([width], [1, width]) or not state.is_contiguous():
-        raise ValueError(f"state: expected a contiguous [rows, 1, {width}] (or flat) pool, got shape {list(state.shape)}")
+    if list(state.shape[1:]) not in ([width], [1, width]):
+        raise ValueError(f"state: expected a [rows, 1, {width}] (or flat) pool, got shape {list(state.shape)}")
+    contiguous("state", state)
     flat = state.view(-1, width)
     if flat.shape[0] < (num_verify_tokens + 1) * state_slot_stride:
         raise ValueError(f"state_slot_stride: must be at most num_state_rows / (num_verify_tokens + 1) = "
@@ -103,6 +104,7 @@ def write_prefix_states(kv_score_input: torch.Tensor, seq_lens: torch.Tensor, re
         raise ValueError(f"kv_score_input: expected [>= batch_size · num_verify_tokens = "
                          f"{batch_size * num_verify_tokens}, {online_input_width(head_dim)}], got "
                          f"{list(kv_score_input.shape)}")
+    contiguous("kv_score_input", kv_score_input)
     if list(ape.shape) != [CHUNK, head_dim]:
         raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     _req_to_token(req_to_token)

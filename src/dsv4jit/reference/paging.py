@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..arguments import contiguous
+
 
 def check_cache(kvcache: torch.Tensor, width: int, formula: str, name: str = "kvcache") -> None:
     """Raise unless ``kvcache`` is a 2-D uint8 tensor of rows of ``width`` bytes (``formula``: how the
@@ -19,6 +21,7 @@ def check_cache(kvcache: torch.Tensor, width: int, formula: str, name: str = "kv
         raise TypeError(f"{name} must be a 2-D uint8 tensor, got {kvcache.dim()}-D {kvcache.dtype}")
     if kvcache.shape[1] != width:
         raise ValueError(f"{name} rows must be {formula} = {width} bytes, got {kvcache.shape[1]}")
+    contiguous(name, kvcache)  # one rule on the CPU and the GPU (the kernels take contiguous pages)
 
 
 def page_slot(kvcache: torch.Tensor, locs, page_size: int, name: str = "out_loc"):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import FLOAT_DTYPES, distinct, dtype_in, finite
+from ..arguments import FLOAT_DTYPES, contiguous, distinct, dtype_in, finite
 from ..geometry import (
     BF16_TOKEN_BYTES,
     FORMATS,
@@ -342,6 +342,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     if kv.dim() != 2:
         raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
     dtype_in("kv", kv, FLOAT_DTYPES)
+    contiguous("kv", kv)
     check_ratio(compress_ratio)
     if plan.shape[0] != kv.shape[0]:
         raise ValueError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
