@@ -41,7 +41,7 @@ def rows(first_pos: list[int], lens: list[int], *, pad: int = 0, seed: int = 0) 
     span = max((f + n) // FULL_PAGE - f // FULL_PAGE + 1 for f, n in zip(first_pos, lens))
     placement = torch.randperm(bs, generator=g)
     for i, (first, n) in enumerate(zip(first_pos, lens)):
-        starts.append(len(pos))
+        starts.append(sum(lens[:i]))
         p = torch.arange(first, first + n)
         page = 1 + int(placement[i]) * span + (p // FULL_PAGE - first // FULL_PAGE)
         req.append(torch.full((n,), int(slots[i]))), pos.append(p), raw.append(page * FULL_PAGE + p % FULL_PAGE)

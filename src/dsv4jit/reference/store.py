@@ -389,6 +389,9 @@ def finite_values(kv: torch.Tensor | None, keep: torch.Tensor, positions: torch.
     if kv is not None:
         finite("kv", kv.detach()[keep.to(kv.device)], rows=keep)
     finite("norm_weight", norm_weight)
+    # a position outside the table is the range checks' to name (on the GPU, the kernel's status word):
+    # gathering it would index out of bounds
+    positions = positions[(positions >= 0) & (positions < freq.shape[0])]
     finite("freq_cis", freq[positions.to(freq.device)], rows=positions)
 
 
