@@ -114,7 +114,8 @@ struct Kernels {
   static constexpr int kUnitsPerBlock = W::kWarpsPerUnit == 1 ? 4 : 1;
   static constexpr int kThreads = kUnitsPerBlock * W::kWarpsPerUnit * kWarpSize;
   // c4: a warp's whole window in flight (8 kv, 8 score and 8 ape vectors of 16 bytes) takes up to
-  // 128 registers, 4 blocks per SM. c128: 64 registers, two 512-thread units per SM.
+  // 128 registers, 4 blocks per SM. c128: 64 registers, two 512-thread units per SM (the spills
+  // this costs are bounded by the serving-set build test).
   static constexpr int kMinBlocks = W::kOverlap ? 4 : 2;
 
   /// Per-thread coordinates: which unit, which slots (warp_in_unit), which channels.

@@ -60,9 +60,9 @@ struct RingPass {
                                   StoreStep<InT, F, K::C, W::kWarpsPerUnit, K::kUnitsPerBlock>>;
   static constexpr int kThreads = K::kThreads;
   // A c4 prefill warp's store tail holds its registers with no load in flight. For V4 rows (4
-  // warps that exchange partials) 6 blocks per SM (80 registers, 48 bytes of spills) keep more
-  // loads in flight than the compiler's 5 (86 registers), which made large prefills faster;
-  // indexer rows (one warp each) measured slower with it (docs/performance.md).
+  // warps that exchange partials) 6 blocks per SM (80 registers, a few bytes of spills that the
+  // serving-set build test bounds) keep more loads in flight than the compiler's 5 (86 registers),
+  // which made large prefills faster; indexer rows (one warp each) measured slower with it.
   static constexpr int kMinBlocks = kRatio == 4 && !kDecode && kHeadDim == 512 ? 6 : K::kMinBlocks;
 
   /// The pass's grid: a decode's by the compressor's policy (CompressEntry::decode_launch), a block
