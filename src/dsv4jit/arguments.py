@@ -26,9 +26,12 @@ from contextlib import contextmanager
 
 import torch
 
+from .errors import ArgumentError, ArgumentTypeError, argument_error
 
-def _fail(op: str, name: str, expected: str, value) -> TypeError:
-    return TypeError(f"dsv4jit.{op}: argument '{name}' must be {expected}, got {type(value).__name__} {value!r}")
+
+def _fail(op: str, name: str, expected: str, value) -> ArgumentTypeError:
+    return ArgumentTypeError(f"dsv4jit.{op}: argument '{name}' must be {expected}, "
+                             f"got {type(value).__name__} {value!r}")
 
 
 def integer(op: str, name: str, value) -> int:
@@ -58,8 +61,8 @@ def positive(op: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(op, name, "a float", value)
     if not 0 < value < math.inf:
-        raise ValueError(f"dsv4jit.{op}: argument '{name}' must be a finite number > 0 (0 turns an all-zero row "
-                         f"into NaN), got {value!r}")
+        raise ArgumentError(f"dsv4jit.{op}: argument '{name}' must be a finite number > 0 (0 turns an all-zero row "
+                            f"into NaN), got {value!r}")
     return float(value)
 
 
@@ -68,7 +71,7 @@ def tensors(op: str, named: Mapping[str, object], optional: Iterable[str] = ()) 
     for name, value in named.items():
         if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
             expected = "a torch.Tensor or None" if name in optional else "a torch.Tensor"
-            raise TypeError(f"dsv4jit.{op}: argument '{name}' must be {expected}, got {type(value).__name__}")
+            raise ArgumentTypeError(f"dsv4jit.{op}: argument '{name}' must be {expected}, got {type(value).__name__}")
 
 
 def explain(op: str, given: Mapping[str, object], tensor_names: Iterable[str] = (), optional: Iterable[str] = (),
@@ -89,7 +92,7 @@ def one_device(op: str, named: Mapping[str, torch.Tensor]) -> None:
     order) and its device, when they are not all on one device."""
     if len({t.device for t in named.values()}) > 1:
         placed = ", ".join(f"{name} on {t.device}" for name, t in named.items())
-        raise TypeError(f"dsv4jit.{op}: tensors on different devices: {placed}")
+        raise ArgumentTypeError(f"dsv4jit.{op}: tensors on different devices: {placed}")
 
 
 @contextmanager
@@ -125,7 +128,7 @@ def dtype_key(dtype: torch.dtype, op: str, arg: str, allowed: tuple = FLOAT_DTYP
     argument if it is not `allowed`."""
     if dtype in allowed:
         return _DTYPE_NAMES[dtype][0]
-    raise TypeError(f"dsv4jit.{op}: argument '{arg}': dtype must be {dtype_names(allowed)}, got {dtype}")
+    raise ArgumentTypeError(f"dsv4jit.{op}: argument '{arg}': dtype must be {dtype_names(allowed)}, got {dtype}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,20 +148,20 @@ class TensorCheck:
 
     def __call__(self, arg: str, t: torch.Tensor, shape: tuple, dtypes: tuple, align: int = 16) -> None:
         if t.dim() != len(shape):
-            self._fail(ValueError, arg, f"must have {len(shape)} dimensions, got {t.dim()} (shape {list(t.shape)})")
+            self._fail(ArgumentError, arg, f"must have {len(shape)} dimensions, got {t.dim()} (shape {list(t.shape)})")
         for i, (want, got) in enumerate(zip(shape, t.shape)):
             if isinstance(want, str):
                 bound, by = self.sizes.setdefault(want, (got, arg))
                 if bound != got:
-                    self._fail(ValueError, arg, f"dim {i} ('{want}') must be {bound} (as in '{by}'), got {got}")
+                    self._fail(ArgumentError, arg, f"dim {i} ('{want}') must be {bound} (as in '{by}'), got {got}")
             elif want != got:
-                self._fail(ValueError, arg, f"dim {i} must be {want}, got {got} (shape {list(t.shape)})")
+                self._fail(ArgumentError, arg, f"dim {i} must be {want}, got {got} (shape {list(t.shape)})")
         if t.dtype not in dtypes:
-            self._fail(TypeError, arg, f"dtype must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+            self._fail(ArgumentTypeError, arg, f"dtype must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
         if not t.is_contiguous():
-            self._fail(ValueError, arg, "must be contiguous (row-major)")
+            self._fail(ArgumentError, arg, "must be contiguous (row-major)")
         if t.data_ptr() % align:
-            self._fail(ValueError, arg, f"data pointer must be {align}-byte aligned")
+            self._fail(ArgumentError, arg, f"data pointer must be {align}-byte aligned")
 
     def bound(self, name: str) -> int:
         """The value a symbolic size was bound to."""
@@ -173,7 +176,7 @@ def dtype_in(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype], why: st
     """TypeError unless `t`'s dtype is one of `allowed` (`why`: a condition, e.g. ``(online c128)``)."""
     allowed = tuple(allowed)
     if t.dtype not in allowed:
-        raise TypeError(f"{name}: expected dtype {dtype_names(allowed)}{why}, got {t.dtype}")
+        raise ArgumentTypeError(f"{name}: expected dtype {dtype_names(allowed)}{why}, got {t.dtype}")
 
 
 def contiguous(name: str, t: torch.Tensor) -> None:
@@ -181,7 +184,7 @@ def contiguous(name: str, t: torch.Tensor) -> None:
     they read or write by rows (tensor_check.h), so a CPU call must too, or it would pass where the
     same call on the GPU fails."""
     if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (row-major), got strides {list(t.stride())}")
+        raise ArgumentError(f"{name}: must be contiguous (row-major), got strides {list(t.stride())}")
 
 
 def in_range(name: str, what: str, values, size: int, of: str = "") -> None:
@@ -191,16 +194,16 @@ def in_range(name: str, what: str, values, size: int, of: str = "") -> None:
     where = f" ({of})" if of else ""
     if isinstance(values, int):
         if not 0 <= values < size:
-            raise ValueError(f"{name}: {what} must lie in [0, {size}){where}, got {values}")
+            raise ArgumentError(f"{name}: {what} must lie in [0, {size}){where}, got {values}")
     elif values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
-        raise ValueError(f"{name}: {what} must lie in [0, {size}){where}, got range [{int(values.min())}, "
-                         f"{int(values.max())}]")
+        raise ArgumentError(f"{name}: {what} must lie in [0, {size}){where}, got range [{int(values.min())}, "
+                            f"{int(values.max())}]")
 
 
 def distinct(name: str, values: torch.Tensor, what: str) -> None:
     """ValueError if two entries of `values` are equal (`what`: what two such rows do)."""
     if values.numel() != torch.unique(values).numel():
-        raise ValueError(f"{name}: two rows {what}")
+        raise ArgumentError(f"{name}: two rows {what}")
 
 
 def finite(name: str, t: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -215,7 +218,7 @@ def finite(name: str, t: torch.Tensor, rows: torch.Tensor | None = None) -> None
         value = t[tuple(index)].item()
         if rows is not None:
             index[0] = int(rows[index[0]])
-        raise ValueError(f"{name}: must hold finite values only (no NaN or infinity), got {value} at {index}")
+        raise ArgumentError(f"{name}: must hold finite values only (no NaN or infinity), got {value} at {index}")
 
 
 _NAMED_OP = re.compile(r"dsv4jit\.[\w.]+")
@@ -236,4 +239,4 @@ def reworded(op: str, error: Exception, names: Iterable[str], fields: Mapping[st
             text = f"dsv4jit.{op}: argument '{name}'{text[len(name):]}"
         else:
             text = f"dsv4jit.{op}: {text}"
-    return type(error)(text)
+    return argument_error(error, text)

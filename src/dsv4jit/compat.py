@@ -22,6 +22,7 @@ import torch
 
 from . import runtime
 from .arguments import FLOAT_DTYPES, STATE_DTYPES, TensorCheck, reworded, tensors
+from .errors import ArgumentError
 from .family import Family, KernelChoice
 from .jit.kernels import COMPAT_C4
 from .ops import checked
@@ -45,8 +46,8 @@ FAMILY = Family("compat", lambda cfg: [kernel(hd, cfg.state, cfg.input, cfg.outp
 
 def _head_dim(op: str, out: torch.Tensor) -> int:
     if out.dim() != 2 or out.shape[1] not in _HEAD_DIMS:
-        raise ValueError(f"dsv4jit.{op}: argument 'kv_compressed_output' must be [rows, head_dim] with head_dim "
-                         f"128 or 512, got shape {list(out.shape)}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'kv_compressed_output' must be [rows, head_dim] with head_dim "
+                            f"128 or 512, got shape {list(out.shape)}")
     return out.shape[1]
 
 
@@ -136,12 +137,12 @@ def flash_c4_prefill(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
             check("extra", extra, ("batch_size", 4), (torch.int32,))
         tokens, batch = check.bound("num_q_tokens"), check.bound("batch_size")
         if tokens < batch:
-            raise ValueError(f"dsv4jit.{op}: argument 'kv_score_input' must have at least one row per request "
-                             f"(batch_size {batch}), got {tokens} rows")
+            raise ArgumentError(f"dsv4jit.{op}: argument 'kv_score_input' must have at least one row per request "
+                                f"(batch_size {batch}), got {tokens} rows")
         for arg, rows in (("compress_plan", check.bound("compress_rows")), ("write_plan", check.bound("write_rows"))):
             if rows > tokens:
-                raise ValueError(f"dsv4jit.{op}: argument '{arg}' must have at most num_q_tokens ({tokens}) rows, "
-                                 f"got {rows}")
+                raise ArgumentError(f"dsv4jit.{op}: argument '{arg}' must have at most num_q_tokens ({tokens}) rows, "
+                                    f"got {rows}")
         try:
             return ref.c4_prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan,
                                   write_plan, extra)

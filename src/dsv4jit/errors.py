@@ -1,6 +1,26 @@
-"""Exceptions raised by the JIT loader and the settings. Kernel argument errors are plain ValueError/TypeError."""
+"""Exceptions: a rejected argument of an op, and the JIT loader's and the settings' errors."""
 
 from __future__ import annotations
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """A rejected argument value: a bad value, shape, size, limit or layout, named in the message.
+    Also a RuntimeError, as the reference's argument checks are (they surface through tvm-ffi as
+    RuntimeError): a caller's ``except RuntimeError`` around the reference's call keeps working.
+    The kernels throw it as the tvm-ffi error kind ``DSV4JITArgumentError`` (common/tensor_check.h)."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """A rejected argument type: a dtype, a device, a non-tensor or a plan of another class; a
+    RuntimeError too, as `ArgumentError` is. The kernels' kind: ``DSV4JITArgumentTypeError``."""
+
+
+def argument_error(error: Exception, text: str) -> Exception:
+    """`error`, met while checking arguments, reworded as `text`: a ValueError or TypeError becomes
+    the argument error of its kind (torch's and Python's own included), another keeps its class."""
+    if isinstance(error, TypeError):
+        return ArgumentTypeError(text)
+    return ArgumentError(text) if isinstance(error, ValueError) else type(error)(text)
 
 
 class DSV4JITError(RuntimeError):

@@ -9,6 +9,9 @@ importing it costs nothing.
 
 from __future__ import annotations
 
+from .errors import ArgumentError
+
+
 #: The compress ratios R: c4 (overlapping 8-token windows) and c128.
 RATIOS = (4, 128)
 #: Tokens of one online c128 chunk: the running state restarts every CHUNK positions.
@@ -41,7 +44,7 @@ INDEXER_FP4_SCALE_BYTES = INDEXER_HEAD_DIM // INDEXER_FP4_GROUP
 
 def check_ratio(compress_ratio: int) -> None:
     if compress_ratio not in RATIOS:
-        raise ValueError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
+        raise ArgumentError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
 
 
 def window_size(compress_ratio: int) -> int:
@@ -78,23 +81,24 @@ def store_format(head_dim: int, *, use_fp4: bool = False, bf16_store: bool = Fal
     where head_dim came from, for the message."""
     if layout != "v4":
         if head_dim != V4_HEAD_DIM:
-            raise ValueError(f"layout is {layout!r}, which stores 512-dim latent rows, got {head_dim_arg} {head_dim}")
+            raise ArgumentError(f"layout is {layout!r}, which stores 512-dim latent rows, "
+                                f"got {head_dim_arg} {head_dim}")
         for name, on in (("use_fp4", use_fp4), ("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
             if on:
-                raise ValueError(f"{name} is an option of the v4 layout, got layout {layout!r}")
+                raise ArgumentError(f"{name} is an option of the v4 layout, got layout {layout!r}")
         return layout
     if head_dim == V4_HEAD_DIM:
         if use_fp4:
-            raise ValueError("use_fp4 needs the indexer head_dim 128, got head_dim 512")
+            raise ArgumentError("use_fp4 needs the indexer head_dim 128, got head_dim 512")
         if fp8_2buff and bf16_store:
-            raise ValueError("fp8_2buff stores fp8 rows, not bf16_store's")
+            raise ArgumentError("fp8_2buff stores fp8 rows, not bf16_store's")
         return "v4_fp8_2buff" if fp8_2buff else "v4_bf16" if bf16_store else "v4_fp8"
     if head_dim == INDEXER_HEAD_DIM:
         for name, on in (("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
             if on:
-                raise ValueError(f"{name} needs head_dim 512, got head_dim 128")
+                raise ArgumentError(f"{name} needs head_dim 512, got head_dim 128")
         return "indexer_fp4" if use_fp4 else "indexer_fp8"
-    raise ValueError(f"{head_dim_arg} must be 512 or 128, got {head_dim}")
+    raise ArgumentError(f"{head_dim_arg} must be 512 or 128, got {head_dim}")
 
 
 def format_options(fmt: str) -> dict:
@@ -112,7 +116,7 @@ def format_head_dim(fmt: str) -> int:
 
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
-        raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
+        raise ArgumentError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
 
 
 #: (data bytes, scale bytes, page alignment) of a token of each format: a page holds page_size data
@@ -147,7 +151,7 @@ def written_bytes(fmt: str) -> int:
 
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two >= 1, got {page_size!r}")
+        raise ArgumentError(f"page_size must be a power of two >= 1, got {page_size!r}")
 
 
 def page_bytes(fmt: str, page_size: int) -> int:

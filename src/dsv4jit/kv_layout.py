@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+from .errors import ArgumentError
+
 
 class _Facts(NamedTuple):
     data_bytes: int    # value codes per token
@@ -109,7 +111,7 @@ class KVLayout(str, enum.Enum):
         for layout in KVLayout:
             if layout.encoding is self.encoding and layout.is_interleaved == bool(interleaved):
                 return layout
-        raise ValueError(f"layout {self.value!r} has no interleaved arrangement")
+        raise ArgumentError(f"layout {self.value!r} has no interleaved arrangement")
 
     @classmethod
     def parse(cls, value) -> KVLayout:
@@ -122,7 +124,7 @@ class KVLayout(str, enum.Enum):
             except ValueError:
                 pass
         names = ", ".join(repr(layout.value) for layout in cls)
-        raise ValueError(f"layout must be a KVLayout or one of {names} (any case), got {value!r}")
+        raise ArgumentError(f"layout must be a KVLayout or one of {names} (any case), got {value!r}")
 
 
 def is_valid_kv_layout_pair(kv, extra_kv) -> bool:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import arguments, plan_layout, runtime
+from .errors import ArgumentError, ArgumentTypeError
 from .family import Family, KernelChoice
 
 _OP_PREFILL = "CompressorPrefillPlan.generate"
@@ -51,8 +52,8 @@ def _distinct_slots(op: str, req_pool_indices: torch.Tensor) -> None:
     """Two requests of one step on one slot would write one state: ValueError naming the argument
     (made where it costs no sync: every input on the CPU, or checked mode)."""
     if req_pool_indices.numel() != torch.unique(req_pool_indices).numel():
-        raise ValueError(f"dsv4jit.{op}: argument 'req_pool_indices': two requests name one slot (their steps "
-                         f"would write one state), got {req_pool_indices.tolist()[:64]}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'req_pool_indices': two requests name one slot (their steps "
+                            f"would write one state), got {req_pool_indices.tolist()[:64]}")
 
 
 def _plan_status(device: torch.device) -> torch.Tensor | None:
@@ -69,7 +70,7 @@ def _raise_status(status, op: str, device: torch.device, tables, seq_lens, exten
     if int(words[0]):
         padded = (*tables, *(None,) * (_TABLES - len(tables)))
         text = runtime.function(kernel(on_gpu=True)[0], "describe_status", device)(words, *padded, seq_lens, extend_lens)
-        raise ValueError(f"dsv4jit.{op} (checked mode): {text}")
+        raise ArgumentError(f"dsv4jit.{op} (checked mode): {text}")
 
 
 def _prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, swa_page_size,
@@ -151,13 +152,13 @@ _PAGED_INTS = ("compress_ratio", "swa_page_size", "ring_size")
 def _check_copy(self, other, fields) -> None:
     op = f"dsv4jit.{type(self).__name__}.copy_: argument 'other'"
     if type(other) is not type(self):
-        raise TypeError(f"{op} must be a {type(self).__name__}, got {type(other).__name__}")
+        raise ArgumentTypeError(f"{op} must be a {type(self).__name__}, got {type(other).__name__}")
     if other.compress_ratio != self.compress_ratio:
-        raise ValueError(f"{op}: compress_ratio must be {self.compress_ratio}, got {other.compress_ratio}")
+        raise ArgumentError(f"{op}: compress_ratio must be {self.compress_ratio}, got {other.compress_ratio}")
     for name in fields:
         mine, theirs = getattr(self, name), getattr(other, name)
         if mine.shape != theirs.shape:
-            raise ValueError(f"{op}: {name} must have shape {list(mine.shape)}, got {list(theirs.shape)}")
+            raise ArgumentError(f"{op}: {name} must have shape {list(mine.shape)}, got {list(theirs.shape)}")
 
 
 @dataclass
@@ -364,8 +365,8 @@ def check_batch(op: str, plan: CompressorPrefillPlan | CompressorDecodePlan,
     sizes += [(name, t.numel(), "entries") for name, t in locations.items()
               if (t.numel() != want if plan.is_decode else t.numel() < want)]
     for name, size, unit in sizes[:1]:
-        raise ValueError(f"dsv4jit.{op}: argument 'plan' and argument '{name}' are of different batches or steps: "
-                         f"the plan is {made}, '{name}' has {size} {unit}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'plan' and argument '{name}' are of different batches or steps: "
+                            f"the plan is {made}, '{name}' has {size} {unit}")
 
 
 def as_plan(op: str, plan) -> CompressorPrefillPlan | CompressorDecodePlan:
@@ -375,6 +376,7 @@ def as_plan(op: str, plan) -> CompressorPrefillPlan | CompressorDecodePlan:
         return plan
     if isinstance(plan, tuple) and len(plan) in (2, 4):
         return CompressorDecodePlan(*plan) if len(plan) == 2 else CompressorPrefillPlan(*plan)
-    raise TypeError(f"dsv4jit.{op}: argument 'plan' must be a CompressorPrefillPlan or CompressorDecodePlan (or "
-                    f"the tuple (compress_ratio, plan_c, plan_w, pin_buffer) or (compress_ratio, plan_d)), "
-                    f"got {type(plan).__name__}")
+    raise ArgumentTypeError(f"dsv4jit.{op}: argument 'plan' must be a CompressorPrefillPlan or "
+                            f"CompressorDecodePlan (or the tuple (compress_ratio, plan_c, plan_w, pin_buffer) or "
+                            f"(compress_ratio, plan_d)), "
+                            f"got {type(plan).__name__}")

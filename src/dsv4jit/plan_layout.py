@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from .errors import ArgumentError
+
 COMPRESS_PLAN_BYTES = 16
 ONLINE_PLAN_BYTES = 16  # CompressPlan's layout (contract §2.5)
 WRITE_PLAN_BYTES = 8
@@ -30,7 +32,7 @@ INVALID_U32 = 0xFFFFFFFF
 def _words(plan: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """The plan as int64 columns of its 32-bit words (u32 fields come out non-negative)."""
     if plan.dtype != torch.uint8 or plan.dim() != 2 or plan.shape[1] != row_bytes:
-        raise ValueError(f"expected a uint8 plan of shape [rows, {row_bytes}], got {list(plan.shape)} {plan.dtype}")
+        raise ArgumentError(f"expected a uint8 plan of shape [rows, {row_bytes}], got {list(plan.shape)} {plan.dtype}")
     return plan.detach().cpu().contiguous().view(torch.int32).to(torch.int64)
 
 

@@ -17,6 +17,7 @@ from typing import Optional, Union
 import torch
 
 from . import arguments, compat, env, plan, runtime
+from .errors import ArgumentError, ArgumentTypeError
 from .family import ModelConfig
 from .jit import batch, loader
 from .jit.registry import Variant, unique
@@ -44,19 +45,19 @@ FAMILIES = {f.name: f for f in (plan.FAMILY, compress.FAMILY, store.FAMILY, fuse
 def _target(device, arch: Optional[str]) -> Arch:
     if arch is not None:
         if not isinstance(arch, str):
-            raise TypeError(f"dsv4jit.{_OP}: argument 'arch' must be a str such as '9.0a' or 'sm_90a', got "
-                            f"{type(arch).__name__} {arch!r}")
+            raise ArgumentTypeError(f"dsv4jit.{_OP}: argument 'arch' must be a str such as '9.0a' or 'sm_90a', got "
+                                    f"{type(arch).__name__} {arch!r}")
         try:
             return Arch.parse(arch)
         except ValueError as e:
-            raise ValueError(f"dsv4jit.{_OP}: argument 'arch': {e}") from None
+            raise ArgumentError(f"dsv4jit.{_OP}: argument 'arch': {e}") from None
     if device is None:  # DSV4JIT_CUDA_ARCH, else the current device (an error without either)
         return loader.arch_for(None)
     try:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"dsv4jit.{_OP}: argument 'device' must be a torch device, a device string or a CUDA "
-                         f"device index, got {device!r}") from None
+        raise ArgumentError(f"dsv4jit.{_OP}: argument 'device' must be a torch device, a device string or a CUDA "
+                            f"device index, got {device!r}") from None
     return loader.arch_for(device)
 
 
@@ -81,7 +82,7 @@ def variants(arch: Union[Arch, str], *, head_dims: Optional[Mapping[int, Iterabl
         arch = _target(None, arch)
     unknown = sorted(set(ops) - set(FAMILIES))
     if unknown:
-        raise ValueError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(FAMILIES)}")
+        raise ArgumentError(f"dsv4jit.{_OP}: argument 'ops' has unknown entries {unknown}; known: {sorted(FAMILIES)}")
     if arch.is_host:  # CPU tensors: the compressors run as torch references, no head dim reaches a kernel
         cfg = ModelConfig({}, host=True)
     else:
@@ -97,7 +98,7 @@ def variants(arch: Union[Arch, str], *, head_dims: Optional[Mapping[int, Iterabl
     except ValueError as e:  # a head_dim no kernel (or no store format) has
         if str(e).startswith("head_dims"):
             raise arguments.reworded(_OP, e, ("head_dims",)) from None
-        raise ValueError(f"dsv4jit.{_OP}: argument 'head_dims': {e}") from None
+        raise ArgumentError(f"dsv4jit.{_OP}: argument 'head_dims': {e}") from None
 
 
 def warmup(device: Union[torch.device, str, int, None] = None, *,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import env
-from .errors import DSV4JITError
+from .errors import ArgumentError, ArgumentTypeError, DSV4JITError
 from .jit import loader
 from .jit.kernels import SPECS
 from .jit.registry import Variant
@@ -37,8 +37,8 @@ def call_cache() -> dict:
 def set_checks(enabled: bool | None) -> None:
     """Checked mode (data-dependent validation with a device sync); None re-reads DSV4JIT_CHECK."""
     if enabled is not None and type(enabled) is not bool:
-        raise TypeError(f"dsv4jit.set_checks: argument 'enabled' must be a bool or None, got "
-                        f"{type(enabled).__name__} {enabled!r}")
+        raise ArgumentTypeError(f"dsv4jit.set_checks: argument 'enabled' must be a bool or None, got "
+                                f"{type(enabled).__name__} {enabled!r}")
     _checks[:] = [env.checks() if enabled is None else enabled]
     clear_call_caches()
 
@@ -59,7 +59,7 @@ def _arch(spec, device: torch.device) -> Arch:
     if spec.target == "host":
         return Arch.host()
     if device.type != "cuda":
-        raise TypeError(f"dsv4jit: kernel {spec.name!r} runs on CUDA tensors, got device {device}")
+        raise ArgumentTypeError(f"dsv4jit: kernel {spec.name!r} runs on CUDA tensors, got device {device}")
     return loader.arch_for(device)
 
 
@@ -114,7 +114,7 @@ def raise_status(status: torch.Tensor | None, op: str, kernel: str, device: torc
     words = status.tolist()
     if any(words):
         texts = [function(kernel, export, device, **params)(word) for export, word in zip(describe, words) if word]
-        raise ValueError(f"dsv4jit.{op} (checked mode): {'; '.join(filter(None, texts))}")
+        raise ArgumentError(f"dsv4jit.{op} (checked mode): {'; '.join(filter(None, texts))}")
 
 
 @dataclass(frozen=True)

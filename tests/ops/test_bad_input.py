@@ -21,6 +21,7 @@ import dsv4jit
 from dsv4jit import (CompressorDecodePlan, CompressorPrefillPlan, compress_and_store, compress_forward,
                      compress_norm_rope_store)
 from dsv4jit.compat import flash_c4_decode, flash_c4_prefill
+from dsv4jit.errors import ArgumentError, ArgumentTypeError
 from dsv4jit.plan_layout import decode_write_plan, encode_write_plan
 from dsv4jit.geometry import page_bytes
 from helpers.compressor_step import EPS, PAGE_SIZE, RING, make_step, planner_inputs
@@ -480,6 +481,9 @@ def test_bad_input_is_named_and_writes_nothing(row):
     before = {name: _snapshot(kw[name]) for name in entry.outputs}
     with pytest.raises(exc) as err:
         entry.call(**kw)
+    # a RuntimeError too, as the reference's rejections are (contract §8.1)
+    assert type(err.value) is {ValueError: ArgumentError, TypeError: ArgumentTypeError}[exc], err.value
+    assert isinstance(err.value, RuntimeError)
     message = str(err.value)
     function = entry_name.split(" ")[0]
     assert message.startswith(f"dsv4jit.{function}"), message

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
-from ..errors import DSV4JITCacheMiss, DSV4JITToolchainError
+from ..errors import ArgumentError, ArgumentTypeError, DSV4JITCacheMiss, DSV4JITToolchainError
 from . import build, cache, compiler, prebuilt
 from .kernels import SPECS
 from .registry import Variant
@@ -34,6 +34,13 @@ _LOCK = threading.Lock()
 _COPIES: list[int] = []
 
 
+def _register_argument_errors(tvm_ffi) -> None:
+    """The error kinds the kernels' argument checks throw (common/tensor_check.h), registered so that
+    they reach Python as dsv4jit's classes rather than a plain RuntimeError."""
+    tvm_ffi.register_error("DSV4JITArgumentError", ArgumentError)
+    tvm_ffi.register_error("DSV4JITArgumentTypeError", ArgumentTypeError)
+
+
 def _load_module(path: Path, image: bytes):
     """The tvm-ffi module of `image`, the verified bytes of ``module.so`` at `path`, loaded from a
     private in-memory copy (a memfd): the loaded code never maps the cache's file, so that nothing
@@ -43,6 +50,7 @@ def _load_module(path: Path, image: bytes):
     module's size in memory per process (about 1 MB each) and a write of it."""
     import tvm_ffi
 
+    _register_argument_errors(tvm_ffi)
     fd = os.memfd_create(f"dsv4jit:{path.parent.name}"[:240])  # the name shows in /proc/<pid>/maps
     try:
         with open(fd, "wb", closefd=False) as copy:

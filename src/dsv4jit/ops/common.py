@@ -9,6 +9,7 @@ import torch
 
 from .. import arguments, geometry
 from ..arguments import FLOAT_DTYPES
+from ..errors import ArgumentError, ArgumentTypeError
 from ..kv_layout import KVLayout
 
 #: Fields of a plan a reference names as its own argument (``plan_w: write_loc must ...``).
@@ -48,7 +49,7 @@ def scalars(op: str, ints: dict, flags: dict) -> None:
 def ape_as(op: str, ape: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """ape in the kernels' dtype (the consumer converts it the same way)."""
     if not ape.dtype.is_floating_point:
-        raise TypeError(f"dsv4jit.{op}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
+        raise ArgumentTypeError(f"dsv4jit.{op}: argument 'ape': dtype must be a floating-point type, got {ape.dtype}")
     return ape if ape.dtype == dtype else ape.to(dtype)
 
 
@@ -74,8 +75,8 @@ def store_format(op: str, head_dim: int, use_fp4: bool, bf16_store: bool, head_d
 def check_rope_pool(op: str, fp8_2buff: bool, kvcache_rope: Optional[torch.Tensor]) -> None:
     """kvcache_rope is given exactly with fp8_2buff (the two pools): ValueError naming it otherwise."""
     if (kvcache_rope is not None) != fp8_2buff:
-        raise ValueError(f"dsv4jit.{op}: argument 'kvcache_rope' must be "
-                         + ("the pool of the bf16 rope rows with fp8_2buff=True, got None" if fp8_2buff else
+        raise ArgumentError(f"dsv4jit.{op}: argument 'kvcache_rope' must be "
+                            + ("the pool of the bf16 rope rows with fp8_2buff=True, got None" if fp8_2buff else
                             "None without fp8_2buff (only the two-pool store has a rope pool), got a tensor"))
 
 
@@ -100,7 +101,7 @@ def check_freq(op: str, freq_cis: torch.Tensor) -> None:
     if freq_cis.dim() == 2 and ((freq_cis.dtype == torch.complex64 and freq_cis.shape[1] == _ROPE_PAIRS)
                                 or (freq_cis.dtype == torch.float32 and freq_cis.shape[1] == 2 * _ROPE_PAIRS)):
         return
-    error = TypeError if freq_cis.dtype not in (torch.complex64, torch.float32) else ValueError
+    error = ArgumentTypeError if freq_cis.dtype not in (torch.complex64, torch.float32) else ArgumentError
     raise error(f"dsv4jit.{op}: argument 'freq_cis' must be complex64 [max_pos, {_ROPE_PAIRS}] or float32 "
                 f"[max_pos, {2 * _ROPE_PAIRS}] (interleaved cos, sin), got {list(freq_cis.shape)} {freq_cis.dtype}")
 
@@ -113,8 +114,8 @@ def check_widths(op: str, message: str, head_dim: int, context: str, rows: dict)
     for name, (t, width) in rows.items():
         if t.dim() and t.shape[-1] != width:
             factor = "head_dim" if width == head_dim else f"{width // head_dim}·head_dim"
-            raise ValueError(f"dsv4jit.{op}: argument 'head_dim' is {head_dim}, but the rows of '{name}' have "
-                             f"{t.shape[-1]} values (shape {list(t.shape)}); {context} they have {factor} = {width}")
+            raise ArgumentError(f"dsv4jit.{op}: argument 'head_dim' is {head_dim}, but the rows of '{name}' have "
+                                f"{t.shape[-1]} values (shape {list(t.shape)}); {context} they have {factor} = {width}")
 
 
 def public_error(op: str, error: Exception, given: dict, names: tuple, optional: tuple = (), explain=None):

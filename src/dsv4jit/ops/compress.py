@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 
 from .. import arguments, geometry, library, runtime
+from ..errors import ArgumentError
 from ..family import Family, KernelChoice
 from ..geometry import RATIOS, row_width
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
@@ -38,8 +39,8 @@ def check_ratio(op: str, plan, compress_ratio: int, head_dim: int = 0, kv_score_
     except ValueError as e:
         raise arguments.reworded(op, e, ("compress_ratio",)) from None
     if plan.compress_ratio != compress_ratio:
-        raise ValueError(f"dsv4jit.{op}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
-                         f"got compress_ratio {compress_ratio}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'plan' was built for compress_ratio {plan.compress_ratio}, "
+                            f"got compress_ratio {compress_ratio}")
 
 
 def ring_widths(op: str, message: str, head_dim: int, compress_ratio: int, kv_score_buffer, kv_score_input,

@@ -18,6 +18,7 @@ import torch
 
 from .. import runtime
 from ..arguments import STATE_DTYPES
+from ..errors import ArgumentError
 from ..family import KernelChoice
 from . import binding, checked, common
 
@@ -86,7 +87,7 @@ def launcher(fn, kind: Kind, compress_ratio: int, head_dim: int, decode: bool, a
 
     def launch(kv_score_buffer, kv_score_input, ape, plan, out):
         if plan.compress_ratio != compress_ratio:
-            raise ValueError("plan of another compress ratio")
+            raise ArgumentError("plan of another compress ratio")
         if ape_dtype is not None:
             ape = ape.to(ape_dtype)
         rows = plan.plan_rows

@@ -18,6 +18,7 @@ import torch
 
 from .. import arguments, library, runtime
 from ..arguments import STATE_DTYPES
+from ..errors import ArgumentError
 from ..family import Family, KernelChoice
 from ..geometry import RATIOS, V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
@@ -190,8 +191,8 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
     common.check_rope_pool(op, fp8_2buff, kvcache_rope)
     if (is_online or compress_ratio == 128) and head_dim != V4_HEAD_DIM:
         where = "is_online=True" if is_online else "compress_ratio 128"
-        raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with {where} (the V4 cache formats), "
-                         f"got {head_dim}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'head_dim' must be 512 with {where} (the V4 cache formats), "
+                            f"got {head_dim}")
     try:
         check_batch(op, plan, {"kv_score_input": kv_score_input}, {"out_loc": out_loc})
         row_dtype = kind.row_dtype(kv_score_input.dtype)
@@ -242,7 +243,7 @@ def _launcher(fn, compress_ratio: int, head_dim: int, decode: bool, is_online: b
     def launch(kv_score_buffer, kv_score_input, ape, plan, norm_weight, norm_eps, freq_cis, out_loc, kvcache,
                kvcache_rope, page_size):
         if plan.compress_ratio != compress_ratio:
-            raise ValueError("plan of another compress ratio")
+            raise ArgumentError("plan of another compress ratio")
         if ape_dtype is not None:
             ape = ape.to(ape_dtype)
         if weight_dtype is not None:

@@ -14,6 +14,7 @@ import torch
 
 from .. import arguments, library, runtime
 from ..arguments import STATE_DTYPES
+from ..errors import ArgumentError, argument_error
 from ..family import Family, KernelChoice
 from ..geometry import INDEXER_HEAD_DIM, V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
@@ -97,7 +98,8 @@ def _layer(given: dict) -> None:
     eps = arguments.positive(op, "norm_eps", g["norm_eps"])
     arguments.tensors(op, {name: g[name] for name in (*_CORE, *_INDEXER, "freq_cis")})
     if plan.compress_ratio != RATIO:
-        raise ValueError(f"dsv4jit.{op}: argument 'plan' must be a c4 plan, got compress_ratio {plan.compress_ratio}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'plan' must be a c4 plan, "
+                            f"got compress_ratio {plan.compress_ratio}")
     core_format = common.store_format(op, V4_HEAD_DIM, False, g["bf16_store"], "head_dim",
                                       common.layout_value(op, g["layout"]), g["fp8_2buff"])
     common.check_rope_pool(op, g["fp8_2buff"], g["kvcache_rope"])
@@ -142,7 +144,7 @@ def _reworded(error: Exception, same: set = frozenset()) -> Exception:
             shared = name in _SHARED or name in same or name.startswith("plan")
             text = f"dsv4jit.{_OP}: argument '{name if shared else prefix + name}" + text[len(head) + len(name):]
         text = text.replace(f"dsv4jit.{_OP}{part}", f"dsv4jit.{_OP} ({part[1:-1]})")
-    return type(error)(text)
+    return argument_error(error, text)
 
 
 @library.custom_op("compress_and_store_c4_layer",
@@ -193,7 +195,7 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     if status is not None and any(status.tolist()):
         describe = [runtime.function(name, DESCRIBE[i % 2], device, **params) for i in range(4)]
         texts = [f"{'core' if i < 2 else 'indexer'}: {describe[i](w)}" for i, w in enumerate(status.tolist()) if w]
-        raise ValueError(f"dsv4jit.{_OP} (checked mode): {'; '.join(texts)}")
+        raise ArgumentError(f"dsv4jit.{_OP} (checked mode): {'; '.join(texts)}")
 
 
 def _launcher(fn, row_dtype: torch.dtype):
@@ -203,7 +205,7 @@ def _launcher(fn, row_dtype: torch.dtype):
     def launch(buffer, inputs, ape, weight, out_loc, kvcache, kvcache_rope, page_size, i_buffer, i_inputs, i_ape,
                i_weight, i_out_loc, i_kvcache, i_page_size, plan, freq_cis, norm_eps):
         if plan.compress_ratio != RATIO:
-            raise ValueError("not a c4 plan")
+            raise ArgumentError("not a c4 plan")
         if ape.dtype != row_dtype:
             ape = _as_rows(ape, row_dtype)
         if i_ape.dtype != row_dtype:

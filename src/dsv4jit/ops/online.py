@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import library
+from ..errors import ArgumentError, ArgumentTypeError
 from ..family import Family, KernelChoice
 from ..geometry import CHUNK, online_input_width, online_state_width
 from ..jit.kernels import COMPRESS_ONLINE
@@ -36,26 +37,26 @@ def check_online(op: str, plan: CompressorPrefillPlan | CompressorDecodePlan, co
                  kv_score_input: torch.Tensor) -> None:
     """What is_online=True requires of the ratio, the plan, head_dim and the input dtype."""
     if compress_ratio != RATIO:
-        raise ValueError(f"dsv4jit.{op}: argument 'compress_ratio' must be 128 with is_online=True, "
-                         f"got {compress_ratio}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'compress_ratio' must be 128 with is_online=True, "
+                            f"got {compress_ratio}")
     if plan.compress_ratio != RATIO:
-        raise ValueError(f"dsv4jit.{op}: argument 'plan' must be an online (compress_ratio 128) plan, "
-                         f"got compress_ratio {plan.compress_ratio}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'plan' must be an online (compress_ratio 128) plan, "
+                            f"got compress_ratio {plan.compress_ratio}")
     if head_dim <= 0 or head_dim % 128:
-        raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be a positive multiple of 128 with "
-                         f"is_online=True, got {head_dim}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'head_dim' must be a positive multiple of 128 with "
+                            f"is_online=True, got {head_dim}")
     if not plan.is_decode and plan.plan_w.shape[-1] != 16:
-        raise ValueError(f"dsv4jit.{op}: argument 'plan' must come from generate_online (16-byte plan_w rows), "
-                         f"got plan_w of shape {list(plan.plan_w.shape)}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'plan' must come from generate_online (16-byte plan_w rows), "
+                            f"got plan_w of shape {list(plan.plan_w.shape)}")
     if kv_score_input.dtype != torch.float32:
-        raise TypeError(f"dsv4jit.{op}: argument 'kv_score_input': dtype must be float32 with is_online=True, "
-                        f"got {kv_score_input.dtype}")
+        raise ArgumentTypeError(f"dsv4jit.{op}: argument 'kv_score_input': dtype must be float32 with is_online=True, "
+                                f"got {kv_score_input.dtype}")
 
 
 def _kernel(compress_ratio: int, head_dim: int, state: str, input: str, output: str) -> KernelChoice:
     if head_dim not in _KERNEL_HEAD_DIMS:
-        raise ValueError(f"dsv4jit.{_OP}: argument 'head_dim' must be one of {list(_KERNEL_HEAD_DIMS)} on CUDA "
-                         f"with is_online=True, got {head_dim}")
+        raise ArgumentError(f"dsv4jit.{_OP}: argument 'head_dim' must be one of {list(_KERNEL_HEAD_DIMS)} on CUDA "
+                            f"with is_online=True, got {head_dim}")
     return kernel(head_dim, state)  # input and output are fp32, which the kernel checks
 
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import library, runtime
 from ..arguments import STATE_DTYPES, dtype_key
+from ..errors import ArgumentError
 from ..family import Family, KernelChoice
 from ..geometry import online_input_width, online_state_width
 from ..jit.kernels import ONLINE_MTP
@@ -43,8 +44,8 @@ _WRITE_FAST, _MARK_FAST, _COMMIT_FAST = runtime.call_cache(), runtime.call_cache
 
 def _function(op: str, export: str, head_dim: int, state: str, device: torch.device):
     if head_dim not in _KERNEL_HEAD_DIMS:
-        raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be one of {list(_KERNEL_HEAD_DIMS)} on CUDA, "
-                         f"got {head_dim}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'head_dim' must be one of {list(_KERNEL_HEAD_DIMS)} on CUDA, "
+                            f"got {head_dim}")
     name, params = kernel(head_dim, state)
     return runtime.function(name, export, device, **params), name, params
 
@@ -68,7 +69,7 @@ def _scalars(op: str, values: dict) -> None:
         common.scalars(op, values, {})
     head_dim = values["head_dim"]
     if head_dim <= 0 or head_dim % 128:
-        raise ValueError(f"dsv4jit.{op}: argument 'head_dim' must be a positive multiple of 128, got {head_dim}")
+        raise ArgumentError(f"dsv4jit.{op}: argument 'head_dim' must be a positive multiple of 128, got {head_dim}")
 
 
 def online_c128_mtp_write_prefix_states(kv_score_input: torch.Tensor, seq_lens: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 
 from .. import arguments, geometry, library, runtime
 from ..arguments import STATE_DTYPES
+from ..errors import ArgumentError
 from ..geometry import RATIOS
 from ..family import Family, KernelChoice
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
@@ -79,7 +80,7 @@ def _compress_norm_rope_store(kv, plan, norm_weight, norm_eps, freq_cis, out_loc
     try:
         check_batch(op, plan, locations={"out_loc": out_loc})
         if kv.dim() != 2:
-            raise ValueError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
+            raise ArgumentError(f"dsv4jit.{op}: argument 'kv' must be 2-D [rows, head_dim], got shape {list(kv.shape)}")
         fmt = common.store_format(op, kv.shape[1], use_fp4, bf16_store, "kv: head_dim (kv.shape[1])", layout_name,
                                   fp8_2buff)
         common.check_rope_pool(op, fp8_2buff, kvcache_rope)

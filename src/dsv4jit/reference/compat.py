@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from dsv4jit.arguments import distinct, in_range
+from dsv4jit.errors import ArgumentError
 from dsv4jit.plan_layout import LegacyRows, decode_legacy_plan, encode_legacy_plan
 from dsv4jit.reference.compress import check_finite, input_use, window_softmax
 
@@ -48,7 +49,7 @@ def _check_range(name: str, values: torch.Tensor, size: int) -> None:
 
 def _check_true(name: str, ok: torch.Tensor, what: str) -> None:
     if not bool(ok.all()):
-        raise ValueError(f"{name}: {what} (rows {torch.nonzero(~ok).flatten()[:8].tolist()})")
+        raise ArgumentError(f"{name}: {what} (rows {torch.nonzero(~ok).flatten()[:8].tolist()})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4jit.arguments import FLOAT_DTYPES, STATE_DTYPES, contiguous, distinct, dtype_in, finite, in_range, one_device
+from dsv4jit.errors import ArgumentError, ArgumentTypeError
 from dsv4jit.geometry import check_ratio, head_dim_multiple, row_width, window_size
 from dsv4jit.plan_layout import decode_compress_plan, decode_decode_plan, decode_write_plan
 
@@ -41,7 +42,8 @@ def _check_geometry(head_dim: int, compress_ratio: int) -> None:
     # The kernels' channel tiling; the reference holds callers to the same contract.
     multiple = head_dim_multiple(compress_ratio)
     if head_dim <= 0 or head_dim % multiple:
-        raise ValueError(f"head_dim: expected a positive multiple of {multiple} for c{compress_ratio}, got {head_dim}")
+        raise ArgumentError(f"head_dim: expected a positive multiple of {multiple} for c{compress_ratio}, "
+                            f"got {head_dim}")
 
 
 def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compress_ratio, out_rows):
@@ -51,17 +53,17 @@ def _check_tensors(kv_score_buffer, kv_score_input, ape, out, *, head_dim, compr
     dtype_in("kv_score_input", kv_score_input, FLOAT_DTYPES)
     contiguous("kv_score_input", kv_score_input)
     if ape.dtype != kv_score_input.dtype:
-        raise TypeError(f"ape: expected the input dtype {kv_score_input.dtype}, got {ape.dtype}")
+        raise ArgumentTypeError(f"ape: expected the input dtype {kv_score_input.dtype}, got {ape.dtype}")
     dtype_in("out", out, FLOAT_DTYPES)
     if kv_score_buffer.shape[-1] != last_dim or kv_score_buffer.numel() % (compress_ratio * last_dim):
-        raise ValueError(f"kv_score_buffer: expected shape [pages, {compress_ratio}, {last_dim}], "
-                         f"got {list(kv_score_buffer.shape)}")
+        raise ArgumentError(f"kv_score_buffer: expected shape [pages, {compress_ratio}, {last_dim}], "
+                            f"got {list(kv_score_buffer.shape)}")
     if kv_score_input.dim() != 2 or kv_score_input.shape[1] != last_dim:
-        raise ValueError(f"kv_score_input: expected shape [rows, {last_dim}], got {list(kv_score_input.shape)}")
+        raise ArgumentError(f"kv_score_input: expected shape [rows, {last_dim}], got {list(kv_score_input.shape)}")
     if list(ape.shape) != [wn, head_dim]:
-        raise ValueError(f"ape: expected shape [{wn}, {head_dim}], got {list(ape.shape)}")
+        raise ArgumentError(f"ape: expected shape [{wn}, {head_dim}], got {list(ape.shape)}")
     if list(out.shape) != [out_rows, head_dim]:
-        raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
+        raise ArgumentError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
     one_device("reference.compress", {"kv_score_buffer": kv_score_buffer, "kv_score_input": kv_score_input,
                                        "ape": ape, "out": out})
 
@@ -225,8 +227,8 @@ def compress_prefill(kv_score_buffer, kv_score_input, ape, plan_c, plan_w, *, he
     _check_tensors(kv_score_buffer, kv_score_input, ape, out, head_dim=head_dim,
                    compress_ratio=compress_ratio, out_rows=plan_c.shape[0])
     if kv_score_input.shape[0] < plan_w.shape[0]:
-        raise ValueError(f"kv_score_input: expected at least {plan_w.shape[0]} rows (plan_w rows), "
-                         f"got {kv_score_input.shape[0]}")
+        raise ArgumentError(f"kv_score_input: expected at least {plan_w.shape[0]} rows (plan_w rows), "
+                            f"got {kv_score_input.shape[0]}")
     device = kv_score_buffer.device
     flat = _flat_state(kv_score_buffer, row_width(head_dim, compress_ratio))
     rows = torch.nonzero(c.valid).flatten()
@@ -271,7 +273,7 @@ def compress_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, c
     _check_tensors(kv_score_buffer, kv_score_input, ape, out, head_dim=head_dim,
                    compress_ratio=compress_ratio, out_rows=batch)
     if kv_score_input.shape[0] != batch:
-        raise ValueError(f"kv_score_input: expected {batch} rows (plan_d rows), got {kv_score_input.shape[0]}")
+        raise ArgumentError(f"kv_score_input: expected {batch} rows (plan_d rows), got {kv_score_input.shape[0]}")
     device = kv_score_buffer.device
     flat = _flat_state(kv_score_buffer, row_width(head_dim, compress_ratio))
     wn = window_size(compress_ratio)
@@ -316,9 +318,9 @@ def event_window_reference(history: torch.Tensor, p: int, ape: torch.Tensor, *, 
     R, wn = compress_ratio, window_size(compress_ratio)
     last_dim = row_width(head_dim, compress_ratio)
     if history.dim() != 2 or history.shape[1] != last_dim:
-        raise ValueError(f"history: expected shape [L, {last_dim}], got {list(history.shape)}")
+        raise ArgumentError(f"history: expected shape [L, {last_dim}], got {list(history.shape)}")
     if p < 0 or (p + 1) % R or p >= history.shape[0]:
-        raise ValueError(f"p: expected an event position ((p+1) % {R} == 0) below {history.shape[0]}, got {p}")
+        raise ArgumentError(f"p: expected an event position ((p+1) % {R} == 0) below {history.shape[0]}, got {p}")
     positions = torch.arange(p - wn + 1, p + 1, device=history.device)
     present = positions >= 0
     rows = torch.zeros(wn, last_dim, dtype=torch.float64, device=history.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ArgumentError
 from ..geometry import ROPE_DIM, V4_HEAD_DIM, V4_NOPE_DIM, V4_TILE
 from ..kv_layout import KVLayout
 from .paging import as_rows, check_cache, gather, page_slot, scatter
@@ -121,8 +122,8 @@ def check_two_pool(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, page_size:
     check_cache(kvcache, TWO_POOL_ROW_BYTES * page_size, f"512 * page_size ({page_size}) (fp8_2buff)")
     check_cache(kvcache_rope, TWO_POOL_ROPE_BYTES, "2 * 64 (the bf16 rope dims of a token)", "kvcache_rope")
     if kvcache_rope.shape[0] != kvcache.shape[0] * page_size:
-        raise ValueError(f"kvcache_rope must have one row per slot of kvcache ({kvcache.shape[0]} pages of "
-                         f"{page_size} = {kvcache.shape[0] * page_size}), got {kvcache_rope.shape[0]} rows")
+        raise ArgumentError(f"kvcache_rope must have one row per slot of kvcache ({kvcache.shape[0]} pages of "
+                            f"{page_size} = {kvcache.shape[0] * page_size}), got {kvcache_rope.shape[0]} rows")
 
 
 def write_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, values: torch.Tensor,

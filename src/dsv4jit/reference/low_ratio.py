@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..arguments import distinct, dtype_in, in_range, integer, positive
+from ..errors import ArgumentError, ArgumentTypeError
 from ..geometry import V4_HEAD_DIM, check_page_size
 from ..kv_layout import KVLayout
 from .layouts import check_layout_cache, write_layout
@@ -56,11 +57,11 @@ WRITTEN = "written (req * ring_size + positions mod ring_size)"
 def _tensor(name: str, t, shape: tuple, dtypes: tuple) -> torch.Tensor:
     """``t`` after checking it is a tensor of ``dtypes`` and ``shape`` (``None``: any size)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     dtype_in(name, t, dtypes)
     if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
         expected = ", ".join("*" if want is None else str(want) for want in shape)
-        raise ValueError(f"{name}: expected shape [{expected}], got {list(t.shape)}")
+        raise ArgumentError(f"{name}: expected shape [{expected}], got {list(t.shape)}")
     return t
 
 
@@ -88,10 +89,10 @@ def _common(op: str, norm_weight, positions, n: int, eps, freqs_cis, page_size, 
     _tensor("norm_weight", norm_weight, (HEAD_DIM,), (torch.bfloat16,))
     positions = _ints(_tensor("positions", positions, (n,), INDEX_DTYPES))
     if positions.numel() and int(positions.min()) < 0:
-        raise ValueError(f"positions: must be >= 0, got {int(positions.min())}")
+        raise ArgumentError(f"positions: must be >= 0, got {int(positions.min())}")
     check_page_size(integer(op, "page_size", page_size))
     if not isinstance(freqs_cis, torch.Tensor):
-        raise TypeError(f"freqs_cis: expected a torch.Tensor, got {type(freqs_cis).__name__}")
+        raise ArgumentTypeError(f"freqs_cis: expected a torch.Tensor, got {type(freqs_cis).__name__}")
     return layout, positions, positive(op, "eps", eps), freq_rows(freqs_cis, "freqs_cis")
 
 
@@ -108,7 +109,7 @@ def _rope_positions(rope_positions: torch.Tensor, freq: torch.Tensor) -> None:
 def _ring_size(op: str, ring_size, kv_state) -> int:
     ring_size = integer(op, "ring_size", ring_size)
     if ring_size <= 0:
-        raise ValueError(f"ring_size: must be > 0, got {ring_size}")
+        raise ArgumentError(f"ring_size: must be > 0, got {ring_size}")
     _tensor("kv_state", kv_state, (None, PAIR_ROW), (torch.float32,))
     return ring_size
 
@@ -173,8 +174,8 @@ def c1_decode_norm_rope_store(kv_input, norm_weight, positions, out_loc, eps, fr
     layout, positions, eps, freq = _common(op, norm_weight, positions, n, eps, freqs_cis, page_size, layout)
     locs = _ints(_tensor("out_loc", out_loc, (n,), INDEX_DTYPES))
     if locs.numel() and (int(locs.min()) < -INT32_LIMIT or int(locs.max()) >= INT32_LIMIT):
-        raise ValueError(f"out_loc: the kernels narrow locations to int32, got range [{int(locs.min())}, "
-                         f"{int(locs.max())}]")
+        raise ArgumentError(f"out_loc: the kernels narrow locations to int32, got range [{int(locs.min())}, "
+                            f"{int(locs.max())}]")
     cache = _cache_bytes(k_cache, page_size, layout)
     out = _out(out, n, kv_input)
     stored = torch.nonzero(locs > 0).flatten()
@@ -202,8 +203,8 @@ def _c2_rows(op: str, kv_input, kv_state, norm_weight, positions, req, raw_out_l
     req = _ints(_tensor("req", req, (n,), (torch.int64,)))
     raw = _ints(_tensor("raw_out_loc", raw_out_loc, (n,), INDEX_DTYPES))
     if raw.numel() and (int(raw.min()) < 0 or int(raw.max()) >= INT32_LIMIT):
-        raise ValueError(f"raw_out_loc: full-pool slots must lie in [0, 2^31) (0: a padded row), got range "
-                         f"[{int(raw.min())}, {int(raw.max())}]")
+        raise ArgumentError(f"raw_out_loc: full-pool slots must lie in [0, 2^31) (0: a padded row), got range "
+                            f"[{int(raw.min())}, {int(raw.max())}]")
     cache = _cache_bytes(k_cache, page_size, layout)
     out = _out(out, n, kv_input)
     rows = kv_input.detach().cpu(), kv_state.detach().cpu()
@@ -245,12 +246,12 @@ def c2_decode_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, r
         ring_size, layout, out)
     n = kv_input.shape[0]
     if draft_len < 1:
-        raise ValueError(f"draft_len: must be >= 1, got {draft_len}")
+        raise ArgumentError(f"draft_len: must be >= 1, got {draft_len}")
     if draft_len > 1 and n % draft_len:
-        raise ValueError(f"draft_len: a verify batch has draft_len rows per request, but N = {n} is not a multiple "
-                         f"of {draft_len}")
+        raise ArgumentError(f"draft_len: a verify batch has draft_len rows per request, but N = {n} is not a multiple "
+                            f"of {draft_len}")
     if draft_len > 1 and ring_size <= draft_len:
-        raise ValueError(f"ring_size: must exceed draft_len ({draft_len}) in a verify batch, got {ring_size}")
+        raise ArgumentError(f"ring_size: must exceed draft_len ({draft_len}) in a verify batch, got {ring_size}")
     from_input = torch.arange(n) % draft_len != 0  # the partner is the previous input row
     from_ring = torch.nonzero(~from_input).flatten()
     read_rows = _ring_rows(READ, req[from_ring] * ring_size + (positions[from_ring] - 1) % ring_size, ring)
@@ -290,9 +291,9 @@ def c2_prefill_norm_rope_store(kv_input, kv_state, norm_weight, positions, req, 
     lens = _ints(_tensor("extend_seq_lens", extend_seq_lens, (starts.numel(),), (torch.int32,)))
     in_range("extend_start_loc", "the requests' first rows", starts, n + 1, "rows of kv_input, or N")
     if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > n):
-        raise ValueError(f"extend_seq_lens: each request's rows [start, start + len) must lie in [0, N = {n}), got "
-                         f"lens in [{int(lens.min())}, {int(lens.max())}] and a last row end "
-                         f"{int((starts + lens).max())}")
+        raise ArgumentError(f"extend_seq_lens: each request's rows [start, start + len) must lie in [0, N = {n}), got "
+                            f"lens in [{int(lens.min())}, {int(lens.max())}] and a last row end "
+                            f"{int((starts + lens).max())}")
     live, odd = raw != 0, positions % 2 == 1
     closing = torch.nonzero(live & odd).flatten()
     previous = (closing - 1).clamp(min=0)
@@ -351,16 +352,16 @@ def c2_decode_pool(kv, score, pos, raw_out_loc, out_loc, req, state_kv, state_sc
     _tensor("state_score", state_score, (None, None), (torch.float32,))
     state_rows = min(state_kv.shape[0], state_score.shape[0])
     if min(state_kv.shape[1], state_score.shape[1]) < d:
-        raise ValueError(f"state_kv: state rows need at least D = {d} columns, got state_kv {list(state_kv.shape)} "
-                         f"and state_score {list(state_score.shape)}")
+        raise ArgumentError(f"state_kv: state rows need at least D = {d} columns, got state_kv {list(state_kv.shape)} "
+                            f"and state_score {list(state_score.shape)}")
     pad_row = integer(op, "pad_row", pad_row)
     in_range("pad_row", "the padded rows' state row", pad_row, state_rows, "rows of state_kv and state_score")
     ring_size = integer(op, "ring_size", ring_size)
     if ring_size < 0:
-        raise ValueError(f"ring_size: must be >= 0 (0: one state row per request), got {ring_size}")
+        raise ArgumentError(f"ring_size: must be >= 0 (0: one state row per request), got {ring_size}")
     p = _ints(pos_in)
     if p.numel() and int(p.min()) < 0:
-        raise ValueError(f"pos: must be >= 0, got {int(p.min())}")
+        raise ArgumentError(f"pos: must be >= 0, got {int(p.min())}")
     padded, odd = raw == 0, p % 2 == 1
     if ring_size:
         read = torch.where(padded | (p == 0), torch.tensor(pad_row), rid * ring_size + (p - 1) % ring_size)

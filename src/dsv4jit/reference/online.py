@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4jit.arguments import STATE_DTYPES, contiguous, dtype_in, in_range, one_device
+from dsv4jit.errors import ArgumentError
 from dsv4jit.geometry import CHUNK, head_dim_multiple, online_input_width, online_state_width
 from dsv4jit.plan_layout import decode_decode_plan, decode_online_plan
 from dsv4jit.reference.compress import check_finite
@@ -89,7 +90,7 @@ def online_state_to_row(state: OnlineState, dtype: torch.dtype | None = None) ->
 def online_state_from_row(row: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float64) -> OnlineState:
     """Split a ``[..., 3·hd]`` state row into (m, s, k), converted to ``dtype`` for the math."""
     if row.shape[-1] != online_state_width(head_dim):
-        raise ValueError(f"row: expected last dimension {online_state_width(head_dim)}, got {row.shape[-1]}")
+        raise ArgumentError(f"row: expected last dimension {online_state_width(head_dim)}, got {row.shape[-1]}")
     row = row.to(dtype)
     return OnlineState(row[..., :head_dim], row[..., head_dim:2 * head_dim], row[..., 2 * head_dim:])
 
@@ -105,22 +106,23 @@ def segment_state(kv: torch.Tensor, score_plus_ape: torch.Tensor) -> OnlineState
 def _check(state, inputs, ape, out, head_dim, out_rows):
     multiple = head_dim_multiple(CHUNK)  # the c128 channel tiling
     if head_dim <= 0 or head_dim % multiple:
-        raise ValueError(f"head_dim: expected a positive multiple of {multiple}, got {head_dim}")
+        raise ArgumentError(f"head_dim: expected a positive multiple of {multiple}, got {head_dim}")
     dtype_in("kv_score_buffer", state, STATE_DTYPES)
     dtype_in("kv_score_input", inputs, (torch.float32,), " (online c128)")
     dtype_in("ape", ape, (torch.float32,), " (online c128)")
     dtype_in("out", out, (torch.float32, torch.float64))  # fp64: the tests' model output
     width, input_width = online_state_width(head_dim), online_input_width(head_dim)
     if state.shape[-1] != width:
-        raise ValueError(f"kv_score_buffer: expected a [rows, 1, {width}] (or flat) state, got shape {list(state.shape)}")
+        raise ArgumentError(f"kv_score_buffer: expected a [rows, 1, {width}] (or flat) state, "
+                            f"got shape {list(state.shape)}")
     contiguous("kv_score_buffer", state)
     if inputs.dim() != 2 or inputs.shape[1] != input_width:
-        raise ValueError(f"kv_score_input: expected shape [rows, {input_width}], got {list(inputs.shape)}")
+        raise ArgumentError(f"kv_score_input: expected shape [rows, {input_width}], got {list(inputs.shape)}")
     contiguous("kv_score_input", inputs)
     if list(ape.shape) != [CHUNK, head_dim]:
-        raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
+        raise ArgumentError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     if list(out.shape) != [out_rows, head_dim]:
-        raise ValueError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
+        raise ArgumentError(f"out: expected shape [{out_rows}, {head_dim}], got {list(out.shape)}")
     one_device("reference.online", {"kv_score_buffer": state, "kv_score_input": inputs, "ape": ape, "out": out})
 
 
@@ -132,8 +134,8 @@ def online_decode(kv_score_buffer, kv_score_input, ape, plan_d, *, head_dim, out
     """One decode step: fold each request's token into its state (math in ``dtype``); returns ``out``."""
     _check(kv_score_buffer, kv_score_input, ape, out, head_dim, plan_d.shape[0])
     if kv_score_input.shape[0] != plan_d.shape[0]:
-        raise ValueError(f"kv_score_input: expected {plan_d.shape[0]} rows (plan_d rows), "
-                         f"got {kv_score_input.shape[0]}")
+        raise ArgumentError(f"kv_score_input: expected {plan_d.shape[0]} rows (plan_d rows), "
+                            f"got {kv_score_input.shape[0]}")
     d = decode_decode_plan(plan_d)
     flat = kv_score_buffer.view(-1, online_state_width(head_dim))
     chunk_pos = [(int(seq_len) - 1) % CHUNK for seq_len in d.seq_len]
@@ -166,8 +168,8 @@ def _segments(name: str, plan: torch.Tensor, inputs, ape, flat, head_dim, dtype)
         end = (int(rows.seq_len[i]) - 1) % CHUNK + 1        # chunk offsets [end - n, end)
         n, last = int(rows.segment_len[i]), int(rows.ragged_id[i])
         if not 1 <= n <= end or last - n + 1 < 0 or last >= inputs.shape[0]:
-            raise ValueError(f"{name}: row {i} (a segment of {n} tokens ending at ragged id {last}, chunk offset "
-                             f"{end - 1}) does not fit the chunk or kv_score_input ({inputs.shape[0]} rows)")
+            raise ArgumentError(f"{name}: row {i} (a segment of {n} tokens ending at ragged id {last}, chunk offset "
+                                f"{end - 1}) does not fit the chunk or kv_score_input ({inputs.shape[0]} rows)")
         tokens = inputs[last - n + 1:last + 1].to(dtype)
         state = segment_state(tokens[:, :head_dim], tokens[:, head_dim:] + ape[end - n:end].to(dtype))
         if end - n > 0:  # continues a chunk: merge into the stored partial state

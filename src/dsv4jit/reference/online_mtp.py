@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from dsv4jit.arguments import STATE_DTYPES, contiguous, distinct, dtype_in, finite, in_range
+from dsv4jit.errors import ArgumentError
 from dsv4jit.geometry import CHUNK, online_input_width, online_state_width
 from dsv4jit.reference.online import online_reset, online_state_from_row, online_state_to_row, online_update
 
@@ -34,14 +35,14 @@ MAX_VERIFY_TOKENS = 8
 
 def _at_least(name: str, value: int, minimum: int, what: str = "") -> None:
     if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}{what}, got {value}")
+        raise ArgumentError(f"{name}: must be >= {minimum}{what}, got {value}")
 
 
 def _indices(name: str, t: torch.Tensor, batch_size: int) -> torch.Tensor:
     dtype_in(name, t, (torch.int32, torch.int64))
     if t.dim() != 1 or t.shape[0] < batch_size:
-        raise ValueError(f"{name}: expected a vector of at least batch_size = {batch_size} entries, "
-                         f"got shape {list(t.shape)}")
+        raise ArgumentError(f"{name}: expected a vector of at least batch_size = {batch_size} entries, "
+                            f"got shape {list(t.shape)}")
     return t[:batch_size].to(torch.int64)
 
 
@@ -53,7 +54,7 @@ def check_requests(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
     seq = _indices("seq_lens", seq_lens, batch_size)
     slots = _indices("req_pool_indices", req_pool_indices, batch_size)
     if seq.numel() and int(seq.min()) < 0:
-        raise ValueError(f"seq_lens: entries must be >= 0, got {int(seq.min())}")
+        raise ArgumentError(f"seq_lens: entries must be >= 0, got {int(seq.min())}")
     distinct("req_pool_indices", slots, "of the batch name one slot (two requests would write one state)")
     return seq, slots
 
@@ -61,18 +62,18 @@ def check_requests(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
 def _banks(state: torch.Tensor, head_dim: int, num_verify_tokens: int, state_slot_stride: int) -> torch.Tensor:
     """The pool as flat rows, after checking it holds a main bank and a draft bank per verify token."""
     if not 1 <= num_verify_tokens <= MAX_VERIFY_TOKENS:
-        raise ValueError(f"num_verify_tokens: must be in [1, {MAX_VERIFY_TOKENS}], got {num_verify_tokens}")
+        raise ArgumentError(f"num_verify_tokens: must be in [1, {MAX_VERIFY_TOKENS}], got {num_verify_tokens}")
     _at_least("state_slot_stride", state_slot_stride, 1)
     dtype_in("state", state, STATE_DTYPES)
     width = online_state_width(head_dim)
     if list(state.shape[1:]) not in ([width], [1, width]):
-        raise ValueError(f"state: expected a [rows, 1, {width}] (or flat) pool, got shape {list(state.shape)}")
+        raise ArgumentError(f"state: expected a [rows, 1, {width}] (or flat) pool, got shape {list(state.shape)}")
     contiguous("state", state)
     flat = state.view(-1, width)
     if flat.shape[0] < (num_verify_tokens + 1) * state_slot_stride:
-        raise ValueError(f"state_slot_stride: must be at most num_state_rows / (num_verify_tokens + 1) = "
-                         f"{flat.shape[0]} / {num_verify_tokens + 1} (a main bank and a draft bank per verify "
-                         f"token), got {state_slot_stride}")
+        raise ArgumentError(f"state_slot_stride: must be at most num_state_rows / (num_verify_tokens + 1) = "
+                            f"{flat.shape[0]} / {num_verify_tokens + 1} (a main bank and a draft bank per verify "
+                            f"token), got {state_slot_stride}")
     return flat
 
 
@@ -80,15 +81,15 @@ def _pending(pending_seq_lens: torch.Tensor, num_req_slots: int) -> None:
     _at_least("num_req_slots", num_req_slots, 0)
     dtype_in("pending_seq_lens", pending_seq_lens, (torch.int64,))
     if pending_seq_lens.dim() != 1 or pending_seq_lens.shape[0] < num_req_slots:
-        raise ValueError(f"num_req_slots: must be at most the entries of pending_seq_lens (shape "
-                         f"{list(pending_seq_lens.shape)}), got {num_req_slots}")
+        raise ArgumentError(f"num_req_slots: must be at most the entries of pending_seq_lens (shape "
+                            f"{list(pending_seq_lens.shape)}), got {num_req_slots}")
 
 
 def _req_to_token(req_to_token: torch.Tensor) -> None:
     """Checked as the kernels check it; its rows are not read (the slots come from req_pool_indices)."""
     dtype_in("req_to_token", req_to_token, (torch.int32,))
     if req_to_token.dim() != 2:
-        raise ValueError(f"req_to_token: expected 2 dimensions, got shape {list(req_to_token.shape)}")
+        raise ArgumentError(f"req_to_token: expected 2 dimensions, got shape {list(req_to_token.shape)}")
 
 
 def write_prefix_states(kv_score_input: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -101,12 +102,12 @@ def write_prefix_states(kv_score_input: torch.Tensor, seq_lens: torch.Tensor, re
     dtype_in("ape", ape, (torch.float32,), " (online c128)")
     if kv_score_input.dim() != 2 or kv_score_input.shape[1] != online_input_width(head_dim) \
             or kv_score_input.shape[0] < batch_size * num_verify_tokens:
-        raise ValueError(f"kv_score_input: expected [>= batch_size · num_verify_tokens = "
-                         f"{batch_size * num_verify_tokens}, {online_input_width(head_dim)}], got "
-                         f"{list(kv_score_input.shape)}")
+        raise ArgumentError(f"kv_score_input: expected [>= batch_size · num_verify_tokens = "
+                            f"{batch_size * num_verify_tokens}, {online_input_width(head_dim)}], got "
+                            f"{list(kv_score_input.shape)}")
     contiguous("kv_score_input", kv_score_input)
     if list(ape.shape) != [CHUNK, head_dim]:
-        raise ValueError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
+        raise ArgumentError(f"ape: expected shape [{CHUNK}, {head_dim}], got {list(ape.shape)}")
     _req_to_token(req_to_token)
     seq, slots = check_requests(seq_lens, req_pool_indices, batch_size)
     in_range("req_pool_indices", "every entry", slots, state_slot_stride, "the main bank: [0, state_slot_stride)")
@@ -151,8 +152,8 @@ def commit_pending(seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_t
     flat = _banks(state, head_dim, num_verify_tokens, state_slot_stride)
     _pending(pending_seq_lens, num_req_slots)
     if num_req_slots > state_slot_stride:
-        raise ValueError(f"state_slot_stride: must be at least num_req_slots = {num_req_slots} (a draft bank must "
-                         f"not reach into the main one), got {state_slot_stride}")
+        raise ArgumentError(f"state_slot_stride: must be at least num_req_slots = {num_req_slots} (a draft bank must "
+                            f"not reach into the main one), got {state_slot_stride}")
     _req_to_token(req_to_token)
     seq, slots = check_requests(seq_lens, req_pool_indices, batch_size)
     for length, slot in zip(seq.tolist(), slots.tolist()):

@@ -12,15 +12,16 @@ from __future__ import annotations
 import torch
 
 from ..arguments import contiguous
+from ..errors import ArgumentError, ArgumentTypeError
 
 
 def check_cache(kvcache: torch.Tensor, width: int, formula: str, name: str = "kvcache") -> None:
     """Raise unless ``kvcache`` is a 2-D uint8 tensor of rows of ``width`` bytes (``formula``: how the
     width comes about, for the message)."""
     if kvcache.dtype != torch.uint8 or kvcache.dim() != 2:
-        raise TypeError(f"{name} must be a 2-D uint8 tensor, got {kvcache.dim()}-D {kvcache.dtype}")
+        raise ArgumentTypeError(f"{name} must be a 2-D uint8 tensor, got {kvcache.dim()}-D {kvcache.dtype}")
     if kvcache.shape[1] != width:
-        raise ValueError(f"{name} rows must be {formula} = {width} bytes, got {kvcache.shape[1]}")
+        raise ArgumentError(f"{name} rows must be {formula} = {width} bytes, got {kvcache.shape[1]}")
     contiguous(name, kvcache)  # one rule on the CPU and the GPU (the kernels take contiguous pages)
 
 
@@ -31,9 +32,10 @@ def page_slot(kvcache: torch.Tensor, locs, page_size: int, name: str = "out_loc"
     shift = page_size.bit_length() - 1
     page, slot = locs >> shift, locs & (page_size - 1)
     if locs.numel() and (bool((locs < 0).any()) or int(page.max()) >= kvcache.shape[0]):
-        raise ValueError(f"{name}: the cache locations of the stored rows must lie in "
-                         f"[0, {kvcache.shape[0] * page_size}) ({kvcache.shape[0]} pages of {page_size} in the cache), "
-                         f"got min {int(locs.min())} max {int(locs.max())}")
+        raise ArgumentError(f"{name}: the cache locations of the stored rows must lie in "
+                            f"[0, {kvcache.shape[0] * page_size}) ({kvcache.shape[0]} pages of {page_size} "
+                            f"in the cache), "
+                            f"got min {int(locs.min())} max {int(locs.max())}")
     return page, slot
 
 
@@ -55,5 +57,5 @@ def as_rows(values: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``values`` as contiguous fp32 CPU rows ``[n, head_dim]``."""
     values = values.detach().cpu().to(torch.float32)
     if values.dim() != 2 or values.shape[1] != head_dim:
-        raise ValueError(f"values must be [n, {head_dim}], got {list(values.shape)}")
+        raise ArgumentError(f"values must be [n, {head_dim}], got {list(values.shape)}")
     return values.contiguous()

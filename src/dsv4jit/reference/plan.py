@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from dsv4jit.errors import ArgumentError
 from dsv4jit.geometry import check_ratio, window_size
 from dsv4jit.plan_layout import (
     decode_compress_plan,
@@ -218,11 +219,12 @@ def _translate(compress_ratio: int, plan_c0: torch.Tensor, plan_w0: torch.Tensor
 
 def _check_ring(compress_ratio: int, swa_page_size: int, ring_size: int, use_req_ring: bool) -> None:
     if use_req_ring and compress_ratio != 4:
-        raise ValueError(f"use_req_ring requires compress_ratio == 4, got compress_ratio={compress_ratio}")
+        raise ArgumentError(f"use_req_ring requires compress_ratio == 4, got compress_ratio={compress_ratio}")
     if ring_size <= 0 or ring_size % compress_ratio != 0:
-        raise ValueError(f"ring_size must be a positive multiple of compress_ratio={compress_ratio}, got {ring_size}")
+        raise ArgumentError(f"ring_size must be a positive multiple of compress_ratio={compress_ratio}, "
+                            f"got {ring_size}")
     if swa_page_size <= 0 or swa_page_size % ring_size != 0:
-        raise ValueError(f"swa_page_size must be a positive multiple of ring_size={ring_size}, got {swa_page_size}")
+        raise ArgumentError(f"swa_page_size must be a positive multiple of ring_size={ring_size}, got {swa_page_size}")
 
 
 def _batch_lists(req_pool_indices, **lens) -> tuple[list[int], dict[str, list[int]]]:
@@ -231,7 +233,7 @@ def _batch_lists(req_pool_indices, **lens) -> tuple[list[int], dict[str, list[in
     for name, t in lens.items():
         out[name] = _cpu_list(t)
         if len(out[name]) != len(rids):
-            raise ValueError(f"{name} must have one entry per request (B={len(rids)}), got {len(out[name])}")
+            raise ArgumentError(f"{name} must have one entry per request (B={len(rids)}), got {len(out[name])}")
     return rids, out
 
 
@@ -239,24 +241,24 @@ def _check_prefill_batch(seq_lens: list[int], extend_lens: list[int], num_q_toke
     num_q_tokens = int(num_q_tokens)
     B = len(seq_lens)
     if B > MAX_BATCH:
-        raise ValueError(f"req_pool_indices: batch size must be < 65536, got {B}")
+        raise ArgumentError(f"req_pool_indices: batch size must be < 65536, got {B}")
     if not 0 <= num_q_tokens <= MAX_NUM_Q_TOKENS:
-        raise ValueError(f"num_q_tokens must be in [0, {MAX_NUM_Q_TOKENS}], got {num_q_tokens}")
+        raise ArgumentError(f"num_q_tokens must be in [0, {MAX_NUM_Q_TOKENS}], got {num_q_tokens}")
     if B > num_q_tokens:
-        raise ValueError(f"num_q_tokens must be >= batch size {B}, got {num_q_tokens}")
+        raise ArgumentError(f"num_q_tokens must be >= batch size {B}, got {num_q_tokens}")
     for b, (seq_len, extend_len) in enumerate(zip(seq_lens, extend_lens)):
         if not 0 < extend_len <= seq_len:
-            raise ValueError(f"extend_lens[{b}] must satisfy 0 < extend_len <= seq_len "
-                             f"(seq_lens[{b}]={seq_len}), got {extend_len}")
+            raise ArgumentError(f"extend_lens[{b}] must satisfy 0 < extend_len <= seq_len "
+                                f"(seq_lens[{b}]={seq_len}), got {extend_len}")
     if sum(extend_lens) != num_q_tokens:
-        raise ValueError(f"num_q_tokens must equal sum(extend_lens)={sum(extend_lens)}, got {num_q_tokens}")
+        raise ArgumentError(f"num_q_tokens must equal sum(extend_lens)={sum(extend_lens)}, got {num_q_tokens}")
     return num_q_tokens
 
 
 def _check_decode_seq_lens(seq_lens: list[int]) -> None:
     for b, seq_len in enumerate(seq_lens):
         if seq_len < 1:  # seq_len 0 would address position -1
-            raise ValueError(f"seq_lens[{b}] must be >= 1 in decode, got {seq_len}")
+            raise ArgumentError(f"seq_lens[{b}] must be >= 1 in decode, got {seq_len}")
 
 
 def _paged_row_fn(compress_ratio: int, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
@@ -270,9 +272,9 @@ def _tables(req_to_token: torch.Tensor, full_to_state: torch.Tensor) -> tuple[to
     req_to_token = req_to_token.detach().to("cpu")
     full_to_state = full_to_state.detach().to("cpu")
     if req_to_token.dim() != 2:
-        raise ValueError(f"req_to_token must be 2-D [num_reqs, max_ctx], got shape {tuple(req_to_token.shape)}")
+        raise ArgumentError(f"req_to_token must be 2-D [num_reqs, max_ctx], got shape {tuple(req_to_token.shape)}")
     if full_to_state.dim() != 1:
-        raise ValueError(f"full_to_state must be 1-D, got shape {tuple(full_to_state.shape)}")
+        raise ArgumentError(f"full_to_state must be 1-D, got shape {tuple(full_to_state.shape)}")
     return req_to_token, full_to_state
 
 

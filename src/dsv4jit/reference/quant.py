@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from ..errors import ArgumentError
+
 E4M3_MAX = 448.0
 #: amax floor of every UE8M0 / fp32-scale quantizer (contract §6.6): an all-zero tile keeps a finite, tiny scale.
 AMAX_FLOOR = 1e-4
@@ -38,7 +40,7 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     """Exact ``2^k`` as fp64 for integer ``k`` in [-1022, 1023] (built from the exponent bits)."""
     k = torch.as_tensor(k).to(torch.int64)
     if bool(((k < -1022) | (k > 1023)).any()):
-        raise ValueError("pow2: exponent out of the fp64 normal range")
+        raise ArgumentError("pow2: exponent out of the fp64 normal range")
     return ((k + 1023) << 52).view(torch.float64)
 
 
@@ -159,7 +161,7 @@ def fp4_decode(code: torch.Tensor) -> torch.Tensor:
 def hadamard_matrix(n: int = 128) -> torch.Tensor:
     """Unscaled ±1 Walsh–Hadamard matrix in natural (Sylvester) order: ``H[i, j] = (-1)^popcount(i & j)``."""
     if n <= 0 or n & (n - 1):
-        raise ValueError(f"hadamard_matrix: n must be a power of two, got {n}")
+        raise ArgumentError(f"hadamard_matrix: n must be a power of two, got {n}")
     i = torch.arange(n, dtype=torch.int64)
     parity = i[:, None] & i[None, :]
     bit_sum = torch.zeros_like(parity)
@@ -175,6 +177,6 @@ def hadamard128(x: torch.Tensor) -> torch.Tensor:
     the exact transform to fp32 precision (a kernel's fp32 butterfly may differ in the last ulp).
     """
     if x.shape[-1] != 128:
-        raise ValueError(f"hadamard128: last dim must be 128, got {x.shape[-1]}")
+        raise ArgumentError(f"hadamard128: last dim must be 128, got {x.shape[-1]}")
     h = hadamard_matrix(128)
     return ((x.to(torch.float64) @ h) / math.sqrt(128.0)).to(torch.float32)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..arguments import FLOAT_DTYPES, contiguous, distinct, dtype_in, finite
+from ..errors import ArgumentError, ArgumentTypeError
 from ..geometry import (
     BF16_TOKEN_BYTES,
     FORMATS,
@@ -82,7 +83,7 @@ def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: i
 def freq_table(freq_cis: torch.Tensor) -> torch.Tensor:
     """fp32 ``[max_pos, rope_dim]`` table of interleaved ``(cos_k, sin_k)`` from complex ``[max_pos, rope_dim/2]``."""
     if not torch.is_complex(freq_cis) or freq_cis.dim() != 2:
-        raise TypeError(f"freq_cis must be a 2-D complex tensor, got {freq_cis.dim()}-D {freq_cis.dtype}")
+        raise ArgumentTypeError(f"freq_cis must be a 2-D complex tensor, got {freq_cis.dim()}-D {freq_cis.dtype}")
     real = torch.view_as_real(freq_cis.detach().cpu().to(torch.complex64).contiguous())
     return real.flatten(1).contiguous()
 
@@ -122,8 +123,9 @@ def rms_norm(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> to
 def _check_positions(positions, freq: torch.Tensor) -> torch.Tensor:
     positions = torch.as_tensor(positions).detach().cpu().to(torch.int64).reshape(-1)
     if positions.numel() and (bool((positions < 0).any()) or int(positions.max()) >= freq.shape[0]):
-        raise ValueError(f"freq_cis: the RoPE positions of the stored rows (seq_len - compress_ratio) must lie in "
-                         f"[0, {freq.shape[0]}) (its rows), got min {int(positions.min())} max {int(positions.max())}")
+        raise ArgumentError(f"freq_cis: the RoPE positions of the stored rows (seq_len - compress_ratio) must lie in "
+                            f"[0, {freq.shape[0]}) (its rows), "
+                            f"got min {int(positions.min())} max {int(positions.max())}")
     return positions
 
 
@@ -136,7 +138,7 @@ def apply_rope(y: torch.Tensor, freq: torch.Tensor, positions: torch.Tensor, rop
     hd = y.shape[-1]
     base = hd - rope_dim
     if rope_dim % 2 or base < 0 or freq.shape[-1] != rope_dim:
-        raise ValueError(f"rope_dim {rope_dim} does not fit head_dim {hd} / freq table {list(freq.shape)}")
+        raise ArgumentError(f"rope_dim {rope_dim} does not fit head_dim {hd} / freq table {list(freq.shape)}")
     positions = _check_positions(positions, freq)
     f = freq.detach().cpu().to(torch.float32)[positions]
     cos, sin = f[:, 0::2], f[:, 1::2]
@@ -154,9 +156,9 @@ def norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq
     ``freq`` is the fp32 ``[max_pos, rope_dim]`` table of interleaved (cos, sin) (see ``freq_table``).
     """
     if kv.dim() != 2:
-        raise ValueError(f"kv must be [n, hd], got {list(kv.shape)}")
+        raise ArgumentError(f"kv must be [n, hd], got {list(kv.shape)}")
     if norm_weight.shape != (kv.shape[1],):
-        raise ValueError(f"norm_weight must be [{kv.shape[1]}], got {list(norm_weight.shape)}")
+        raise ArgumentError(f"norm_weight must be [{kv.shape[1]}], got {list(norm_weight.shape)}")
     return apply_rope(rms_norm(kv, norm_weight, norm_eps), freq, positions, rope_dim)
 
 
@@ -237,7 +239,7 @@ READERS = {"v4_fp8": read_v4, "v4_bf16": read_bf16,
 def read_cache(fmt: str, kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
     """Dequantized fp32 rows at ``locs`` of a cache in format ``fmt`` (one of ``FORMATS``)."""
     if fmt not in READERS:
-        raise ValueError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
+        raise ArgumentError(f"unknown store format {fmt!r}; expected one of {FORMATS}")
     return READERS[fmt](kvcache, locs, page_size)
 
 
@@ -247,9 +249,9 @@ def check_out_loc(out_loc: torch.Tensor, rows: int, *, is_decode: bool, num_q_to
     """out_loc has one entry per decode plan row (`rows`), or in prefill at least the tokens of the step
     (`num_q_tokens`, as the plan recorded it; -1: not recorded, the ragged ids bound it instead)."""
     if is_decode and out_loc.numel() != rows:
-        raise ValueError(f"out_loc must have one entry per decode row ({rows}), got {out_loc.numel()}")
+        raise ArgumentError(f"out_loc must have one entry per decode row ({rows}), got {out_loc.numel()}")
     if not is_decode and out_loc.numel() < num_q_tokens:
-        raise ValueError(f"out_loc must have at least num_q_tokens ({num_q_tokens}) entries, got {out_loc.numel()}")
+        raise ArgumentError(f"out_loc must have at least num_q_tokens ({num_q_tokens}) entries, got {out_loc.numel()}")
 
 
 def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, compress_ratio: int):
@@ -269,8 +271,8 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
         keep = torch.nonzero(rows.valid).flatten()
         loc_index = rows.ragged_id[keep]
         if keep.numel() and int(loc_index.max()) >= out_loc.numel():
-            raise ValueError(f"out_loc is indexed by ragged id and has {out_loc.numel()} entries, "
-                             f"but a plan row has ragged_id {int(loc_index.max())}")
+            raise ArgumentError(f"out_loc is indexed by ragged id and has {out_loc.numel()} entries, "
+                                f"but a plan row has ragged_id {int(loc_index.max())}")
     positions = rows.seq_len[keep] - compress_ratio
     locs = out_loc[loc_index]
     distinct("out_loc", locs, "that store a compressed token name one cache location (one would overwrite the other)")
@@ -282,8 +284,8 @@ def freq_rows(freq_cis: torch.Tensor, name: str = "freq_cis") -> torch.Tensor:
     fp32 table itself."""
     freq = freq_cis.detach().cpu() if not torch.is_complex(freq_cis) else freq_table(freq_cis)
     if freq.dim() != 2 or freq.shape[1] != ROPE_DIM or freq.dtype != torch.float32:
-        raise ValueError(f"{name} must be complex [max_pos, {ROPE_DIM // 2}] (or fp32 [max_pos, {ROPE_DIM}]), "
-                         f"got {list(freq_cis.shape)} {freq_cis.dtype}")
+        raise ArgumentError(f"{name} must be complex [max_pos, {ROPE_DIM // 2}] (or fp32 [max_pos, {ROPE_DIM}]), "
+                            f"got {list(freq_cis.shape)} {freq_cis.dtype}")
     return freq
 
 
@@ -296,24 +298,24 @@ def check_layout_flags(layout, head_dim: int, *, use_fp4: bool, bf16_store: bool
     if layout is not KVLayout.V4:
         for flag, value in (("use_fp4", use_fp4), ("bf16_store", bf16_store), ("fp8_2buff", fp8_2buff)):
             if value:
-                raise ValueError(f"layout: {layout.value!r} (a V4.1 layout) has its own row format, so {flag} must be "
-                                 f"False, got {flag}=True")
+                raise ArgumentError(f"layout: {layout.value!r} (a V4.1 layout) has its own row format, "
+                                    f"so {flag} must be False, got {flag}=True")
         if head_dim != V4_HEAD_DIM:
-            raise ValueError(f"layout: {layout.value!r} (a V4.1 layout) stores the {V4_HEAD_DIM}-dim latent only, got "
-                             f"head_dim {head_dim}")
+            raise ArgumentError(f"layout: {layout.value!r} (a V4.1 layout) stores the {V4_HEAD_DIM}-dim latent "
+                                f"only, got head_dim {head_dim}")
     if fp8_2buff:
         for flag, value in (("use_fp4", use_fp4), ("bf16_store", bf16_store)):
             if value:
-                raise ValueError(f"fp8_2buff: the two-pool store has its own row format, so {flag} must be False, "
-                                 f"got {flag}=True")
+                raise ArgumentError(f"fp8_2buff: the two-pool store has its own row format, so {flag} must be False, "
+                                    f"got {flag}=True")
         if head_dim != V4_HEAD_DIM:
-            raise ValueError(f"fp8_2buff: the two-pool store holds the {V4_HEAD_DIM}-dim latent only, got head_dim "
-                             f"{head_dim}")
+            raise ArgumentError(f"fp8_2buff: the two-pool store holds the {V4_HEAD_DIM}-dim latent only, got head_dim "
+                                f"{head_dim}")
         if kvcache_rope is None:
-            raise ValueError("fp8_2buff: the two-pool store needs kvcache_rope (the bf16 rope pool), got None")
+            raise ArgumentError("fp8_2buff: the two-pool store needs kvcache_rope (the bf16 rope pool), got None")
     elif kvcache_rope is not None:
-        raise ValueError("kvcache_rope: only the two-pool store (fp8_2buff=True) writes it, got a tensor with "
-                         "fp8_2buff=False")
+        raise ArgumentError("kvcache_rope: only the two-pool store (fp8_2buff=True) writes it, got a tensor with "
+                            "fp8_2buff=False")
     return layout
 
 
@@ -340,21 +342,21 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     rows it stores are checked finite by the caller), so that a caller that computes kv first (the
     fused op) can check the store before writing anything."""
     if kv.dim() != 2:
-        raise ValueError(f"kv must be [N, hd], got {list(kv.shape)}")
+        raise ArgumentError(f"kv must be [N, hd], got {list(kv.shape)}")
     dtype_in("kv", kv, FLOAT_DTYPES)
     contiguous("kv", kv)
     check_ratio(compress_ratio)
     if plan.shape[0] != kv.shape[0]:
-        raise ValueError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
+        raise ArgumentError(f"plan must have one row per kv row ({kv.shape[0]}), got {plan.shape[0]}")
     if out_loc.dim() != 1 or out_loc.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"out_loc must be a 1-D int32 or int64 tensor, got {out_loc.dim()}-D {out_loc.dtype}")
+        raise ArgumentTypeError(f"out_loc must be a 1-D int32 or int64 tensor, got {out_loc.dim()}-D {out_loc.dtype}")
     check_out_loc(out_loc, plan.shape[0], is_decode=is_decode, num_q_tokens=num_q_tokens)
     head_dim = kv.shape[1]
     layout = check_layout_flags(layout, head_dim, use_fp4=use_fp4, bf16_store=bf16_store, fp8_2buff=fp8_2buff,
                                 kvcache_rope=kvcache_rope)
     fmt = store_format(head_dim, use_fp4=use_fp4, bf16_store=bf16_store)
     if norm_weight.shape != (head_dim,):
-        raise ValueError(f"norm_weight must be [{head_dim}], got {list(norm_weight.shape)}")
+        raise ArgumentError(f"norm_weight must be [{head_dim}], got {list(norm_weight.shape)}")
     check_page_size(page_size)
     if fp8_2buff:
         check_two_pool(kvcache, kvcache_rope, page_size)

@@ -1,7 +1,9 @@
-// Argument checks for entry points. Every failure raises a Python ValueError (bad shape, value,
-// layout) or TypeError (bad dtype or device) naming the op, the argument, the expectation and
-// what was received. Constraints only narrow: a symbolic size or device, once bound by one
-// argument, must be matched by every later one. Host-only code: usable without CUDA headers.
+// Argument checks for entry points. Every failure raises the error kind DSV4JITArgumentError (bad
+// shape, value, layout) or DSV4JITArgumentTypeError (bad dtype or device), which reach Python as
+// dsv4jit.errors.ArgumentError (a ValueError) and ArgumentTypeError (a TypeError), both RuntimeErrors
+// too, naming the op, the argument, the expectation and what was received. Constraints only
+// narrow: a symbolic size or device, once bound by one argument, must be matched by every later
+// one. Host-only code: usable without CUDA headers.
 #pragma once
 
 #include <dlpack/dlpack.h>
@@ -187,11 +189,11 @@ class Check {
     return os.str();
   }
   [[noreturn]] void fail_value(const std::string& what) const {
-    TVM_FFI_THROW(ValueError) << "dsv4jit." << op_ << ": argument '" << arg_ << "': " << what << "; " << describe();
+    TVM_FFI_THROW(DSV4JITArgumentError) << "dsv4jit." << op_ << ": argument '" << arg_ << "': " << what << "; " << describe();
     __builtin_unreachable();
   }
   [[noreturn]] void fail_type(const std::string& what) const {
-    TVM_FFI_THROW(TypeError) << "dsv4jit." << op_ << ": argument '" << arg_ << "': " << what << "; " << describe();
+    TVM_FFI_THROW(DSV4JITArgumentTypeError) << "dsv4jit." << op_ << ": argument '" << arg_ << "': " << what << "; " << describe();
     __builtin_unreachable();
   }
 
@@ -206,10 +208,10 @@ template <typename Expectation, typename T>
 inline void expect(bool ok, const char* op, const char* name, const Expectation& expectation, const T& actual) {
   if (ok) return;
   if constexpr (std::is_invocable_v<Expectation>) {
-    TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation()
+    TVM_FFI_THROW(DSV4JITArgumentError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation()
                               << ", got " << actual;
   } else {
-    TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation
+    TVM_FFI_THROW(DSV4JITArgumentError) << "dsv4jit." << op << ": argument '" << name << "' must be " << expectation
                               << ", got " << actual;
   }
 }

@@ -42,7 +42,7 @@ inline constexpr const char* kDecodeOnlineOp = "CompressorDecodePlan.generate_on
 template <typename T>
 [[noreturn]] inline void bad_entry(const char* op, const char* name, const std::string& index,
                                    const std::string& expectation, const T& actual) {
-  TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": argument '" << name << "': entry " << index << " must be "
+  TVM_FFI_THROW(DSV4JITArgumentError) << "dsv4jit." << op << ": argument '" << name << "': entry " << index << " must be "
                             << expectation << ", got " << actual;
   __builtin_unreachable();
 }
@@ -99,7 +99,7 @@ inline Tables checked_tables(const char* op, const Geometry& g, const TensorView
     return tables_of(req_pool_indices, Optional<TensorView>(), Optional<TensorView>());
   }
   if (!req_to_token.has_value() || !full_to_state.has_value()) {
-    TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": req_to_token and full_to_state are required (got None)";
+    TVM_FFI_THROW(DSV4JITArgumentError) << "dsv4jit." << op << ": req_to_token and full_to_state are required (got None)";
   }
   const TensorView& r2t = req_to_token.value();
   const TensorView& f2s = full_to_state.value();
@@ -363,7 +363,7 @@ inline void raise_host_violation(const char* op, int32_t status, uint64_t first,
   status &= t.keyed;
   if (status == 0) return;
   const int32_t words[4] = {status, 0, static_cast<int32_t>(first), static_cast<int32_t>(first >> 32)};
-  TVM_FFI_THROW(ValueError) << "dsv4jit." << op << ": "
+  TVM_FFI_THROW(DSV4JITArgumentError) << "dsv4jit." << op << ": "
                             << describe_status_words(words, t, seq_lens, extend_lens, [](const auto* p) { return *p; });
 }
 
