@@ -23,6 +23,7 @@ _EXPORTS = {
     "compress_and_store_c4_layer": "dsv4jit.ops",
     "compress_norm_rope_store": "dsv4jit.ops",
     "is_valid_kv_layout_pair": "dsv4jit.kv_layout",
+    "low_ratio_metadata": "dsv4jit.token_metadata",
     "online_c128_mtp_commit_pending": "dsv4jit.ops",
     "online_c128_mtp_mark_pending": "dsv4jit.ops",
     "online_c128_mtp_write_prefix_states": "dsv4jit.ops",
