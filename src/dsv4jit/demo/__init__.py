@@ -6,7 +6,8 @@ compressed caches are compared with the same flow on the torch reference backend
 
 Modules: ``pool`` (pool, requests, schedule), ``layer`` (compressors and the per-layer ``step``),
 ``engine`` (one backend's tensors, plans per step, the decode graph), ``check`` (comparison),
-``run`` (driver, timing, report).
+``run`` (driver, timing, report); ``speculative`` (online c128 verify steps) and ``v41``
+(DeepSeek-V4.1's ratios 1, 2, 4 and 128 with V4.1 layouts) are the other flows.
 """
 
 from .run import (

@@ -4,7 +4,8 @@ States are copies of input rows, so they must be bit-identical. Caches are compa
 
 * every byte outside the tokens that were stored (other slots, V4 scale byte 7, page padding)
   must be identical;
-* every stored token must be written in both caches (its scale bytes are never all zero);
+* every stored token must be written in both caches (its scale bytes, or its codes where a layout
+  has no scale bytes, are never all zero);
 * the dequantized values may differ only where an fp32 rounding tie flipped one code (the kernels
   pool with a fast exponential, so their fp32 rows differ from the reference by about an ulp):
   each difference is within one code step (plus a scale flip at a power-of-two boundary), and at
@@ -18,19 +19,26 @@ from dataclasses import dataclass
 import torch
 
 from .. import geometry
+from ..kv_layout import KVLayout
+from ..reference.layouts import read_layout
 from ..reference.store import read_cache
 
 
-def _span(fmt: str) -> tuple[int, int, int, int]:
-    """(data row stride, data bytes, scale row stride, scale bytes) of one token in its page (contract §6.5):
-    the bytes the store writes; byte 7 of a V4 scale row is padding that no one writes."""
+def _addressing(fmt: str, page_size: int) -> tuple[int, int, int, int, int]:
+    """(data stride, data bytes, scale base, scale stride, scale bytes) of a token in its page
+    (contract §6.5, contract §10.1): the bytes the store writes; byte 7 of a V4 scale row is padding that no one
+    writes."""
+    if fmt in geometry.V41_FORMATS:
+        layout = KVLayout(fmt)
+        data_stride, scale_base, scale_stride = layout.row_addressing(page_size)
+        return data_stride, layout.data_bytes, scale_base, scale_stride, layout.scale_bytes
     data, scales = geometry.token_bytes(fmt)
-    return data, data, scales, geometry.written_bytes(fmt) - data
+    return data, data, page_size * data, scales, geometry.written_bytes(fmt) - data
 
 
-_SPANS = {fmt: _span(fmt) for fmt in ("v4_fp8", "indexer_fp8", "indexer_fp4")}
-#: Largest share of stored values allowed to differ (a flipped UE8M0 scale moves a whole 64- or 32-value tile).
-FLIP_FRACTION = {"v4_fp8": 5e-3, "indexer_fp8": 5e-3, "indexer_fp4": 2e-2}
+#: Largest share of stored values allowed to differ (a flipped scale moves a whole tile).
+FLIP_FRACTION = {"v4_fp8": 5e-3, "indexer_fp8": 5e-3, "indexer_fp4": 2e-2, "v41": 5e-3, "v41_new": 5e-3,
+                 "uniform_fp8": 5e-3, "v41_fp4": 2e-2, "v41_fp4_new": 2e-2}
 
 
 @dataclass
@@ -53,12 +61,18 @@ def compare_state(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
 
 def _span_index(fmt: str, page_size: int, page_bytes: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat byte indices of each stored token's data and scale bytes: ([n, data], [n, scale])."""
-    data_stride, data_len, scale_stride, scale_len = _SPANS[fmt]
+    data_stride, data_len, scale_base, scale_stride, scale_len = _addressing(fmt, page_size)
     page, slot = locs // page_size, locs % page_size
     base = page * page_bytes
     data = base[:, None] + (slot * data_stride)[:, None] + torch.arange(data_len)
-    scale = base[:, None] + (page_size * data_stride + slot * scale_stride)[:, None] + torch.arange(scale_len)
+    scale = base[:, None] + (scale_base + slot * scale_stride)[:, None] + torch.arange(scale_len)
     return data, scale
+
+
+def _read(fmt: str, cache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    if fmt in geometry.V41_FORMATS:
+        return read_layout(cache, locs, page_size, fmt)
+    return read_cache(fmt, cache, locs, page_size)
 
 
 def _allowed_error(fmt: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -66,6 +80,12 @@ def _allowed_error(fmt: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     grid's step), plus one bf16 ulp for the V4 rope dims; from the larger of the two values."""
     m = torch.maximum(a.abs(), b.abs())
     n = m.shape[0]
+    if fmt in geometry.V41_FORMATS:  # every dim coded in tiles of one scale
+        tile = KVLayout(fmt).tile_size
+        amax = m.reshape(n, -1, tile).amax(-1, keepdim=True).expand(n, -1, tile).reshape(n, -1)
+        if KVLayout(fmt).is_fp4:
+            return 0.5 * m + amax / 3
+        return 2.0 ** -3 * m + 2.0 ** -8 * amax.clamp_min(1e-4) / 448 + 2.0 ** -9
     if fmt == "indexer_fp4":
         amax = m.reshape(n, 4, 32).amax(-1, keepdim=True).expand(n, 4, 32).reshape(n, 128)
         return 0.5 * m + amax / 3
@@ -93,14 +113,15 @@ def compare_cache(fmt: str, page_size: int, got: torch.Tensor, want: torch.Tenso
     outside = int((flat_got != flat_want)[~owned].sum())
     if outside:
         return False, f"{outside} bytes outside the {len(locs)} stored tokens differ"
+    written = scale if scale.shape[1] else data  # uniform_fp8 has no scale bytes
     for name, cache in (("kernel", flat_got), ("reference", flat_want)):
-        unwritten = int((cache[scale] == 0).all(dim=1).sum())
+        unwritten = int((cache[written] == 0).all(dim=1).sum())
         if unwritten:
             return False, f"{unwritten} of {len(locs)} tokens were never stored in the {name} cache"
     if not len(locs):
         return True, "no tokens stored"
-    a = read_cache(fmt, got, locs, page_size).to(torch.float64)
-    b = read_cache(fmt, want, locs, page_size).to(torch.float64)
+    a = _read(fmt, got, locs, page_size).to(torch.float64)
+    b = _read(fmt, want, locs, page_size).to(torch.float64)
     err = (a - b).abs()
     if not bool(torch.isfinite(a).all()):
         return False, "non-finite values in the cache"

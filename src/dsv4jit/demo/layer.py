@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..geometry import page_bytes
+from ..geometry import format_options, page_bytes
 from ..ops import compress_and_store, compress_and_store_c4_layer, compress_forward, compress_norm_rope_store
 from .pool import SWA_PAGE, PagedPool
 
@@ -46,6 +46,11 @@ class CompressorSpec:
     @property
     def use_fp4(self) -> bool:
         return self.store == "indexer_fp4"
+
+    @property
+    def layout(self) -> str:
+        """The KV layout argument of a 512-dim store (``v4`` for the V4 and indexer formats)."""
+        return format_options(self.store)["layout"]
 
 
 C4_CORE = CompressorSpec("c4 core", 4, 512, "v4_fp8")
@@ -85,11 +90,12 @@ def step(comp: Compressor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor, 
     if fused:
         compress_and_store(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio,
                            norm_weight=comp.norm_weight, norm_eps=NORM_EPS, freq_cis=freq_cis, out_loc=out_loc,
-                           kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4)
+                           kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4, layout=spec.layout)
         return
     kv = compress_forward(comp.state, kv_score, comp.ape, plan, head_dim=spec.head_dim, compress_ratio=spec.ratio)
     compress_norm_rope_store(kv, plan, norm_weight=comp.norm_weight, norm_eps=NORM_EPS, freq_cis=freq_cis,
-                             out_loc=out_loc, kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4)
+                             out_loc=out_loc, kvcache=comp.cache, page_size=spec.page_size, use_fp4=spec.use_fp4,
+                             layout=spec.layout)
 
 
 def layer_step(comps: list[Compressor], plan, kv_scores: list[torch.Tensor], out_loc: torch.Tensor,
@@ -102,7 +108,7 @@ def layer_step(comps: list[Compressor], plan, kv_scores: list[torch.Tensor], out
                                     norm_weight=core.norm_weight, indexer_norm_weight=indexer.norm_weight,
                                     norm_eps=NORM_EPS, freq_cis=freq_cis, out_loc=out_loc, kvcache=core.cache,
                                     page_size=core.spec.page_size, indexer_kvcache=indexer.cache,
-                                    use_fp4=indexer.spec.use_fp4)
+                                    use_fp4=indexer.spec.use_fp4, layout=core.spec.layout)
         return
     for comp, kv_score in zip(comps, kv_scores):
         step(comp, plan, kv_score, out_loc, freq_cis, fused=fused)

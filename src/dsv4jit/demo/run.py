@@ -35,17 +35,26 @@ class DemoConfig:
     fused: bool = True           # one op per layer (compress_and_store_c4_layer, compress_and_store); else two per compressor
 
     def validate(self) -> None:
-        for name in ("requests", "min_prompt", "chunk", "layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
-        if self.decode_steps < 0:
-            raise ValueError(f"demo: decode_steps must be >= 0, got {self.decode_steps}")
-        if self.max_prompt < self.min_prompt:
-            raise ValueError(f"demo: max_prompt ({self.max_prompt}) must be >= min_prompt ({self.min_prompt})")
-        if self.chunk > 65536:
-            raise ValueError(f"demo: chunk (tokens per prefill step) must be <= 65536, got {self.chunk}")
+        check_sizes(self, ("requests", "min_prompt", "chunk", "layers"))
         if self.decode_plans not in ("in-graph", "copy"):
             raise ValueError(f"demo: decode_plans must be 'in-graph' or 'copy', got {self.decode_plans!r}")
+
+
+def check_sizes(config, positive: tuple[str, ...]) -> None:
+    """The size checks the demo's flows share, each a ValueError naming the option: `positive` are >= 1;
+    decode_steps (where the flow has it) >= 0; the prompt range; chunk <= 65536 (a prefill step's
+    ragged ids); verify_tokens in [1, 8] (the draft counts the verify ops take)."""
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise ValueError(f"demo: {name} must be >= 1, got {getattr(config, name)}")
+    if getattr(config, "decode_steps", 0) < 0:
+        raise ValueError(f"demo: decode_steps must be >= 0, got {config.decode_steps}")
+    if config.max_prompt < config.min_prompt:
+        raise ValueError(f"demo: max_prompt ({config.max_prompt}) must be >= min_prompt ({config.min_prompt})")
+    if getattr(config, "chunk", 0) > 65536:
+        raise ValueError(f"demo: chunk (tokens per prefill step) must be <= 65536, got {config.chunk}")
+    if not 1 <= getattr(config, "verify_tokens", 1) <= 8:
+        raise ValueError(f"demo: verify_tokens must be in [1, 8], got {config.verify_tokens}")
 
 
 #: Defaults on a GPU, and the small size the reference backend runs when there is none.

@@ -23,6 +23,7 @@ from .check import Check, compare_cache
 from .engine import Timer
 from .layer import C128_CORE, NORM_EPS
 from .pool import PagedPool, out_loc, schedule
+from .run import check_sizes
 
 HEAD_DIM = C128_CORE.head_dim
 PAGE_SIZE = C128_CORE.page_size
@@ -43,13 +44,7 @@ class SpeculativeConfig:
     check: bool = True
 
     def validate(self) -> None:
-        for name in ("requests", "min_prompt", "layers", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"demo: {name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.verify_tokens <= 8:
-            raise ValueError(f"demo: verify_tokens must be in [1, 8], got {self.verify_tokens}")
-        if self.max_prompt < self.min_prompt:
-            raise ValueError(f"demo: max_prompt ({self.max_prompt}) must be >= min_prompt ({self.min_prompt})")
+        check_sizes(self, ("requests", "min_prompt", "layers", "rounds"))
 
 
 GPU_SPECULATIVE = SpeculativeConfig()
