@@ -12,7 +12,6 @@ the two calls it replaces) on identical inputs, side by side: the batches of a r
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import statistics
@@ -244,10 +243,7 @@ def run(only: str = "", against: str | None = None) -> list[timing.Row]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--against", default=None)
-    known, rest = parser.parse_known_args(argv)
-    report.main(__doc__, lambda only: run(only, known.against), rest)
+    report.main(__doc__, run, argv, against=True)
 
 
 if __name__ == "__main__":

@@ -84,16 +84,20 @@ def exit_without_gpu(what: str, alternative: str = "") -> None:
         raise SystemExit(2)
 
 
-def main(description: str, run: Callable[[str], list[Row]], argv=None) -> None:
-    """The command line of a benchmark module run alone: ``[--json] [--only TEXT]``; prints its rows
-    as the combined report does (markdown), or as JSON. Needs a GPU, as every benchmark does."""
+def main(description: str, run: Callable[..., list[Row]], argv=None, against: bool = False) -> None:
+    """The command line of a benchmark module run alone: ``[--json] [--only TEXT]`` (and ``[--against
+    MODULE]`` where `against`: then ``run(only, against)``); prints its rows as the combined report
+    does (markdown), or as JSON. Needs a GPU, as every benchmark does."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--only", default="", help="run the cases whose name contains this text (default: every case)")
+    if against:
+        p.add_argument("--against", metavar="MODULE", help="also run this implementation of the same API, side by "
+                       "side on identical inputs (an importable module name)")
     args = p.parse_args(argv)
     module = sys.modules[run.__module__]  # run alone, "__main__": its import name is its spec's
     exit_without_gpu(f"python -m {module.__spec__.name if module.__spec__ else run.__module__}")
-    rows = run(args.only)
+    rows = run(args.only, args.against) if against else run(args.only)
     print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) if args.json else markdown(rows))
 
 

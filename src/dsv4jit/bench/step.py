@@ -21,7 +21,6 @@ one step (rounding ties flip a code: a few per cent at most; more means the two 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,10 +284,7 @@ def run(only: str = "", against: str | None = None, device: torch.device | None 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--against", default=None)
-    known, rest = parser.parse_known_args(argv)
-    report.main(__doc__, lambda only: run(only, known.against), rest)
+    report.main(__doc__, run, argv, against=True)
 
 
 if __name__ == "__main__":
