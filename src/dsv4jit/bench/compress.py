@@ -1,7 +1,10 @@
 """compress_forward throughput: µs (L2-cold eager and graph, and warm), bytes moved, GB/s and % of
 the measured copy bandwidth.
 
-    python -m dsv4jit.bench.compress [--json] [--only TEXT]
+    python -m dsv4jit.bench.compress [--json] [--only TEXT] [--against MODULE]
+
+``--against MODULE`` times the same call of another implementation of the API (its own planner's
+plans, the same tensors) right after ours; "MODULE / dsv4jit" > 1 means dsv4jit is faster.
 
 Bytes count what the op must move at least: every input element it uses read once (window slots
 from the ragged input or the state ring, tokens stored into the ring), every output element
@@ -9,6 +12,8 @@ written once (pooled rows, ring rows), plus plans and ape.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -30,8 +35,8 @@ def _pool(batch: int, max_ctx: int, device):
 
 
 class Case:
-    def __init__(self, name, ratio, hd, seq, ext, decode, state_dtype=torch.float32, dtype=torch.float32):
-        dev = torch.device("cuda")
+    def __init__(self, name, ratio, hd, seq, ext, decode, state_dtype=torch.float32, dtype=torch.float32,
+                 dev=torch.device("cuda")):
         self.name, self.ratio, self.hd = name, ratio, hd
         batch = len(seq)
         r2t, f2s, swa_pages = _pool(batch, max(seq) + 8, dev)
@@ -41,13 +46,12 @@ class Case:
         last_dim = (4 if ratio == 4 else 2) * hd
         self.state = torch.randn(state_rows // ratio, ratio, last_dim, device=dev).to(state_dtype)
         seq_t = torch.tensor(seq, dtype=torch.int64, device=dev)
-        if decode:
-            self.plan = CompressorDecodePlan.generate(ratio, rpi, r2t, f2s, seq_t, SWA_PAGE, ring)
-            tokens = batch
-        else:
-            ext_t = torch.tensor(ext, dtype=torch.int64)
-            tokens = sum(ext)
-            self.plan = CompressorPrefillPlan.generate(ratio, rpi, seq_t.cpu(), ext_t, r2t, f2s, SWA_PAGE, ring, tokens)
+        tokens = batch if decode else sum(ext)
+        self._plan_args = ((ratio, rpi, r2t, f2s, seq_t, SWA_PAGE, ring) if decode else
+                           (ratio, rpi, seq_t.cpu(), torch.tensor(ext, dtype=torch.int64), r2t, f2s, SWA_PAGE, ring,
+                            tokens))
+        self.decode = decode
+        self.plan = self.plan_of()
         self.input = (2 * torch.randn(tokens, last_dim, device=dev)).to(dtype)
         self.ape = torch.randn(8 if ratio == 4 else 128, hd, device=dev).to(dtype)
         self.out = torch.empty(self.plan.plan_rows.shape[0], hd, device=dev, dtype=dtype)
@@ -71,9 +75,22 @@ class Case:
         writes = int(w.valid.sum()) * row_elems * (in_b + state_b)
         return int(pooled + writes + int(valid.sum()) * hd * in_b + 16 * len(valid) + 8 * len(w.valid) + ape)
 
+    def plan_of(self, api=None):
+        """This case's plan from the planner of `api` (a module with dsv4jit's API; default dsv4jit)."""
+        planner = CompressorDecodePlan if self.decode else CompressorPrefillPlan
+        return (planner if api is None else getattr(api, planner.__name__)).generate(*self._plan_args)
+
     def __call__(self):
         compress_forward(self.state, self.input, self.ape, self.plan, head_dim=self.hd, compress_ratio=self.ratio,
                          out=self.out)
+
+    def through(self, api):
+        """The same call through `api`, with its own planner's plan (its rows, so its output, may be
+        more than ours: a planner may keep rows that pool nothing)."""
+        plan = self.plan_of(api)
+        out = self.out.new_empty(plan[1].shape[0], self.hd)
+        return lambda: api.compress_forward(self.state, self.input, self.ape, plan, head_dim=self.hd,
+                                            compress_ratio=self.ratio, out=out)
 
 
 def cases() -> list[tuple]:
@@ -97,17 +114,18 @@ def cases() -> list[tuple]:
     return c
 
 
-def run(only: str = "") -> list[timing.Row]:
+def run(only: str = "", against: str | None = None) -> list[timing.Row]:
+    other = importlib.import_module(against) if against else None
     bandwidth = timing.Bandwidth("compress")
     for name, ratio, hd, seq, ext, state_dtype in cases():
         if only in name:
             case = Case(name, ratio, hd, seq, ext, ext is None, state_dtype)
-            bandwidth.measure(case.name, case.bytes, case)
+            bandwidth.measure(case.name, case.bytes, case, {against: case.through(other)} if other else None)
     return bandwidth.rows
 
 
 def main(argv=None) -> None:
-    report.main(__doc__, run, argv)
+    report.main(__doc__, run, argv, against=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..geometry import page_bytes
+from ..geometry import page_bytes, store_format
 from . import report, timing
 
 SPS = 256                                  # full and SWA page size
@@ -159,7 +159,7 @@ class Layer:
             ring = _randn((rows + rows % 2, 1024), seed + 2, dev)
         return dict(fmt=layout, input=_randn((b.num_tokens, 512 * r), seed, dev, torch.bfloat16 if r == 1 else None),
                     weight=(1.0 + 0.3 * _randn((512,), seed + 3, dev)).to(torch.bfloat16), ring=ring,
-                    cache=_cache(layout, r, 2 * b.num_tokens + SPS, seed + 4, dev))
+                    cache=_cache(store_format(512, layout=layout), r, 2 * b.num_tokens + SPS, seed + 4, dev))
 
     def calls(self, api, plan, meta) -> tuple[list, list[torch.Tensor]]:
         """(the step's calls through `api` on fresh copies of the state, the caches they write)."""

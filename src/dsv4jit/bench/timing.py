@@ -235,10 +235,18 @@ class Bandwidth:
         self.rows.append(row)
         return row
 
-    def measure(self, case: str, nbytes: int, fn: Callable[[], object]) -> Row:
+    def measure(self, case: str, nbytes: int, fn: Callable[[], object],
+                others: dict[str, Callable[[], object]] | None = None) -> Row:
         """A case's cold and warm timings, and a same-size copy: "pct_same_size_copy" is that copy's
-        time over ours, where a kernel stands against what the GPU's own copy reaches at that size."""
+        time over ours, where a kernel stands against what the GPU's own copy reaches at that size.
+        `others`: the same call through other implementations (by name), timed cold right after ours;
+        "NAME / dsv4jit" is the better of its eager and graph times over our headline."""
         copy_us = same_size_copy_us(nbytes)
-        row = self.add(case, nbytes, {**cold_and_warm(fn), "same_size_copy": copy_us})
+        times = {**cold_and_warm(fn), "same_size_copy": copy_us}
+        for name, other in (others or {}).items():
+            times[f"eager {name}"], times[f"graph {name}"] = event_us(other), graph_us(other)
+        row = self.add(case, nbytes, times)
         row.ratios["pct_same_size_copy"] = 100 * copy_us / row.us
+        for name in others or {}:
+            row.ratios[f"{name} / dsv4jit"] = min(times[f"eager {name}"], times[f"graph {name}"]) / row.us
         return row
