@@ -44,7 +44,7 @@ def test_serving_set_compiles(arch, warm_cache, host_planner, cache_dir, capsys)
 
 #: The kernels that may spill, by a pattern of their demangled name, with the most bytes of spill stores
 #: ptxas may report per arch; any other spill, or more bytes, fails the build's test. Each is the price
-#: of a launch bound chosen for occupancy (the figures in docs/performance.md were measured with them):
+#: of a launch bound chosen for occupancy (the figures in docs/design-notes.md were measured with them):
 SPILL_ALLOWANCE = {
     # c128 decode, resident ring: two 512-thread units per SM cap a thread at 64 registers
     # (compress/ring_units.cuh); bf16 input holds its conversions beside the pool.

@@ -36,7 +36,7 @@ _OPTIONAL = ("kvcache_rope",)
 DESCRIBE = ("describe_compress_status", "describe_store_status")
 
 #: Where one fused kernel measured slower than the two steps, the op runs the two steps itself, from
-#: the same entry point, which checks both first (docs/performance.md, "One kernel or two steps"):
+#: the same entry point, which checks both first (docs/design-notes.md, "One kernel or two steps, by measurement"):
 #: ring c128 prefill (its rows' stores wait on the last of 8 slice blocks, where the store kernel
 #: runs them all at once), and online prefill below this many plan rows (it pools each segment row
 #: in one block, which leaves SMs idle that the compressor's 8 blocks per row keep busy).

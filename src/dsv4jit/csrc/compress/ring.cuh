@@ -134,7 +134,7 @@ struct CompressEntry : CompressorEntryBase<CompressEntry<kRatio, kHeadDim, Buffe
   /// least its kMinDecodeGrid, at most a block per unit). Up to it the block-per-unit grid measured
   /// as fast or faster (whole model steps of 16 and 128 requests; 256 requests all at a boundary,
   /// where the resident blocks pool their units one after another); beyond it each wave of blocks
-  /// costs a plan round trip (docs/performance.md). A block-per-unit grid of more than one wave
+  /// costs a plan round trip (docs/design-notes.md). A block-per-unit grid of more than one wave
   /// prefetches for the unit a wave ahead (ahead_rows: the rows one wave covers).
   static DecodeLaunch decode_launch(const char* op, DLDevice dev, uint64_t rows) {
     const uint64_t wave = static_cast<uint64_t>(multiprocessors(op, dev)) * K::kMinBlocks;

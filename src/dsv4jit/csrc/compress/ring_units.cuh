@@ -63,7 +63,7 @@ struct Window {
   // c4: a warp holds all 8 slots of a row's 128-channel slice (16-byte lanes). c128: 16 warps
   // split the window, so 8-byte lanes keep each thread at 64 registers and two units per SM
   // resident: one unit's merge and store overlap the other's loads (measured faster than 16-byte
-  // lanes at one unit per SM: docs/performance.md).
+  // lanes at one unit per SM: docs/design-notes.md).
   static constexpr int kLaneChannels = kOverlap ? 4 : 2;
   static constexpr int kUnitChannels = kWarpSize * kLaneChannels;
   static constexpr int kSlices = kHeadDim / kUnitChannels;
@@ -382,7 +382,7 @@ struct Kernels {
   }
 
   /// A c128 unit (a block of its own) prefetches only the unit a wave ahead: its own row's prefetch
-  /// before the wait made multi-wave c128 decodes slower (docs/performance.md, "Decode prefetch").
+  /// before the wait made multi-wave c128 decodes slower (docs/design-notes.md, "Ring decode: prefetch").
   static constexpr bool kPrefetchesOwnUnit = kRatio != 128;
 
   /// Brings a decode unit's plan row and token slice into L2 before the upstream wait: its own (while

@@ -23,7 +23,7 @@ struct Fp4ByRule {
 /// The fp4 code table as a codec argument: the warp's own copy in shared memory, filled by
 /// cp.async when the warp starts (fill()) and waited for when it first codes (wait()), so the row
 /// loads go out at once and no block barrier holds warps back (a block's copy behind a barrier
-/// measured slower: docs/performance.md).
+/// measured slower: docs/design-notes.md).
 struct Fp4WarpTable {
   Fp4CodeTable table;
 

@@ -96,7 +96,7 @@ DSV4_DEV Slot slot_at(const Params& p, int64_t loc) {
   } else if constexpr (L::kIndexer) {
     // Unpadded pages: a page starts at its first location times the token bytes, so the data
     // row is at loc·kD + first·kS and the scale row at loc·kS + first·kD + kD·page_size (no
-    // 64-bit multiply by the page bytes: faster, docs/performance.md).
+    // 64-bit multiply by the page bytes: faster, docs/design-notes.md).
     const int64_t first = loc & ~((int64_t{1} << p.log2_page_size) - 1);
     return {p.cache + loc * L::kDataBytes + first * L::kScaleBytes,
             p.cache + loc * L::kScaleBytes + first * L::kDataBytes + (int64_t{L::kDataBytes} << p.log2_page_size)};

@@ -70,16 +70,16 @@ struct Kernel {
   static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 4 || kLanes == 8 || kLanes == 16)),
                 "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 4, 8 or 16 lanes");
   // Large batches: 8-lane rows in blocks of 8 warps (faster than 4 warps, and than 16 for fp8 and
-  // fp4 decode); 4-lane rows in blocks of 4 (faster than 2, 3, 5, 6 or 8 warps): docs/performance.md.
+  // fp4 decode); 4-lane rows in blocks of 4 (faster than 2, 3, 5, 6 or 8 warps): docs/design-notes.md.
   static constexpr int kWarps = kLanes == 8 ? 8 : 4;
   // Rows on 16 or 32 lanes (indexer batches up to 2048 rows, V4 rows) let the next kernel launch as
   // soon as this one has waited for its own predecessor: its blocks take free slots and wait there.
   // The 4- and 8-lane kernels (large indexer batches) let it launch before their writes: launched
-  // early, the next kernel's blocks and table copies slowed the fp4 store down (docs/performance.md).
+  // early, the next kernel's blocks and table copies slowed the fp4 store down (docs/design-notes.md).
   static constexpr bool kEarlyDependents = kLanes >= 16;
   // fp4 rows on 8 lanes or fewer (large batches) code by table (Fp4CodeTable) in shared memory,
   // several instructions a value fewer than fp4_code() once the table is in (copying it in costs a
-  // round trip, which small batches do not win back: docs/performance.md)
+  // round trip, which small batches do not win back: docs/design-notes.md)
   static constexpr bool kFp4Table = F == Format::kIndexerFp4 && kLanes <= 8;
   static constexpr int kRowsPerBlock = kWarps * kWarpSize / kLanes;
   static constexpr int kGroups = L::kHeadDim / (4 * kLanes);  // 4-channel groups per lane
@@ -212,7 +212,7 @@ struct NormRopeStoreEntry {
   /// scale — and its cross-lane steps shared by fewer threads): fp8 on 8 (4 measured slower: its
   /// 4-byte code words make half-sector stores), fp4 on 4 with codes by table (faster than 8, with
   /// fewer instructions a row). Below, 16 lanes keep per-thread chains short (measured faster
-  /// there). The figures: docs/performance.md.
+  /// there). The figures: docs/design-notes.md.
   static constexpr uint32_t kLargeBatchRows = 2048;
 
   template <int kLanes>

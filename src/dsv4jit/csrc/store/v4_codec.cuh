@@ -28,7 +28,7 @@ struct V4Dims {
 /// (ue8m0_scale_exponent<448>) or through the division: the same exponents. The store kernel takes
 /// the bits (no slow-path branch of the division); the fused kernels keep the division, where the
 /// bits measured slower in the online decode, a latency chain whose code otherwise differs only in
-/// instruction order (docs/performance.md).
+/// instruction order (docs/design-notes.md).
 template <bool kByBits>
 DSV4_DEV int v4_exponent(float amax) {
   if constexpr (kByBits) return ue8m0_scale_exponent<448>(amax);
