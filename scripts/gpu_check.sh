@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU verification on a machine with a CUDA GPU: toolchain check, precompile of the serving set,
-# GPU tests, compute-sanitizer on selected tests, benchmarks. Logs under ${OUT:-gpu-logs}.
-#   scripts/gpu_check.sh [tests|sanitize|bench|all]...      (default: all)
-#   PYTEST_K='expr'  restricts the GPU tests; SANITIZE_TESTS='file::test ...' picks sanitizer targets.
+# GPU tests, compute-sanitizer on selected tests, the demos (V4 and V4.1), benchmarks. Logs under
+# ${OUT:-gpu-logs}.
+#   scripts/gpu_check.sh [tests|sanitize|demo|bench|all]...      (default: all)
+#   PYTEST_K='expr'  restricts the GPU tests; SANITIZE_TESTS='file::test ...' picks sanitizer targets;
+#   BENCHES='step host ...' picks benchmark modules; AGAINST=MODULE runs those that take --against
+#   side by side with another implementation of the API.
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -29,9 +32,17 @@ if want sanitize; then
     done
   done
 fi
+if want demo; then
+  for model in v4 v4.1; do
+    python3 -m dsv4jit demo --model "$model" --no-progress 2>&1 | tee "$out/demo-$model.log" | tail -2
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
 if want bench; then
-  for b in ${BENCHES:-plan compress store overhead loader}; do
-    python3 -m "dsv4jit.bench.$b" 2>&1 | tee "$out/bench-$b.log" || status=1
+  for b in ${BENCHES:-step compress store low_ratio host plan overhead loader}; do
+    against=()
+    case $b in step|compress|store|low_ratio|host) [ -n "${AGAINST:-}" ] && against=(--against "$AGAINST") ;; esac
+    python3 -m "dsv4jit.bench.$b" "${against[@]}" 2>&1 | tee "$out/bench-$b.log" || status=1
   done
 fi
 exit $status
