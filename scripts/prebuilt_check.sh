@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prebuilt kernels on a GPU machine with no compiler in reach and no network: a fresh venv that
-# takes torch from the image (--system-site-packages), the dsv4jit wheel, a wheel of prebuilt kernels
+# takes torch from the image (a .pth file naming the running python3's packages), the dsv4jit wheel, a wheel of prebuilt kernels
 # and tvm-ffi installed from local files (--no-index --no-deps), nvcc hidden, DSV4JIT_NO_COMPILE=1 and
 # an empty kernel cache; then `info`, the serving set listed and every variant of it loaded, the demo
 # and examples/serving_step.py, and a check that nothing was compiled. Logs under ${OUT:-prebuilt-logs}.
@@ -32,8 +32,12 @@ step() {  # step NAME COMMAND...: run it, its output in $out/NAME.log, its statu
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$out/summary.txt"
 ls -l "$wheels" "$tvm_ffi" | tee -a "$out/summary.txt"
 
-python3 -m venv --system-site-packages "$work/venv"
+python3 -m venv "$work/venv"
 python=$work/venv/bin/python
+# The venv sees the packages of the python3 running this script (torch and its dependencies from the
+# image), also where that python3 is a venv itself, whose packages --system-site-packages would skip.
+python3 -c 'import sysconfig; print("\n".join(sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})))' \
+  >"$("$python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/image-packages.pth"
 step install "$python" -m pip install --no-index --no-deps "$tvm_ffi"/apache_tvm_ffi-*.whl \
   "$wheels"/dsv4jit-*.whl "$wheels"/dsv4jit_kernels-*.whl
 [ $status = 0 ] || { echo "the wheels did not install: $out/install.log"; exit 1; }

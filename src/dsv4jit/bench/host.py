@@ -83,7 +83,7 @@ class Inputs:
         else:
             lens = torch.full((batch,), tokens, dtype=torch.int64)
             self.plan = api.CompressorPrefillPlan.generate(ratio, rid, lens + prefix, lens, r2t, f2s, SPS, ring, num_q)
-        self.kv = torch.randn(self.plan.plan_rows.shape[0], hd, device=dev, generator=gen)
+        self.kv = torch.randn(self.plan[1].shape[0], hd, device=dev, generator=gen)
         page = PAGE[ratio]
         token_bytes = {"v4": 584, "idx-fp8": 132, "idx-fp4": 68}[fmt]
         page_bytes = -(-token_bytes * page // 576) * 576 if fmt == "v4" else token_bytes * page

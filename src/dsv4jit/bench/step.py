@@ -196,11 +196,11 @@ class Layer:
 
     def _low_call(self, api, p: dict, meta):
         common = dict(page_size=PAGE[self.ratio], layout=p["fmt"])
+        freqs = torch.view_as_real(self.freq).flatten(-2)  # fp32 [max_pos, 64], as upstream's ratio-1/2 ops take it
         if self.ratio == 1:
             return lambda: api.c1_decode_norm_rope_store(p["input"], p["weight"], meta.positions, meta.raw_out_loc, EPS,
-                                                         self.freq, p["cache"], **common)
-        args = (p["input"], p["ring"], p["weight"], meta.positions, meta.req, meta.raw_out_loc, EPS, self.freq,
-                p["cache"])
+                                                         freqs, p["cache"], **common)
+        args = (p["input"], p["ring"], p["weight"], meta.positions, meta.req, meta.raw_out_loc, EPS, freqs, p["cache"])
         if self.batch.shape.decode:
             return lambda: api.c2_decode_norm_rope_store(*args, ring_size=C2_RING, **common)
         return lambda: api.c2_prefill_norm_rope_store(*args, meta.extend_start_loc, meta.extend_seq_lens,
