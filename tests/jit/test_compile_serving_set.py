@@ -68,21 +68,28 @@ SPILL_ALLOWANCE = {
 }
 
 _SPILL = re.compile(r"Registers are spilled to local memory in function '([^']+)', (\d+) bytes spill stores")
+_LOCAL = re.compile(r"Local memory used for function '([^']+)', size of stack frame: (\d+) bytes")
 
 
 def check_spills(cache_dir: Path, arch: str) -> None:
-    """ptxas reports each spilling kernel in its module's build log (-warn-spills); every report must
-    fit the first `SPILL_ALLOWANCE` pattern its name matches."""
+    """ptxas reports each spilling kernel and each kernel with a stack frame in its module's build log
+    (-warn-spills, -warn-lmem-usage); every spill must fit the first `SPILL_ALLOWANCE` pattern its
+    kernel's name matches, and only those kernels may use local memory (elsewhere a stack frame is an
+    array indexed at run time or a call that was not inlined: per-thread memory behind L1)."""
     logs = sorted(cache_dir.glob(f"*/{arch}/*/*/build.log"))
     assert logs, f"no build logs for {arch} under {cache_dir}"
-    reports = [(m.group(1), int(m.group(2)), log.parent.parent.name)
-               for log in logs for m in _SPILL.finditer(log.read_text())]
-    names = demangle([name for name, _, _ in reports])
+    texts = [(log.read_text(), log.parent.parent.name) for log in logs]
+    spills = [(m.group(1), int(m.group(2)), family) for text, family in texts for m in _SPILL.finditer(text)]
+    local = [(m.group(1), int(m.group(2)), family) for text, family in texts for m in _LOCAL.finditer(text)]
+    names = demangle([name for name, _, _ in spills + local])
     over = []
-    for (_, spilled, family), name in zip(reports, names):
+    for (_, spilled, family), name in zip(spills, names):
         allowed = next((caps[arch] for pattern, caps in SPILL_ALLOWANCE.items() if re.search(pattern, name)), 0)
         if spilled > allowed:
             over.append(f"{family}: {name} spills {spilled} bytes ({allowed} allowed)")
+    for (_, frame, family), name in zip(local, names[len(spills):]):
+        if not any(re.search(pattern, name) for pattern in SPILL_ALLOWANCE):
+            over.append(f"{family}: {name} uses local memory (a {frame}-byte stack frame)")
     assert not over, "\n".join(over)
 
 

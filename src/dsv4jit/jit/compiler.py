@@ -53,12 +53,12 @@ def compile_command(variant: Variant, arch: Arch, tc: Toolchain) -> Command:
     else:
         opt = ["-O0", "-G", "-g"] if env.debug_build() else ["-O3"]
         extra = ["-lineinfo"] if env.lineinfo() else []
-        # ptxas names every kernel that spills registers in the build log: the full suite holds the
-        # serving set to the spills it allows (tests/jit/test_compile_serving_set.py)
+        # ptxas names every kernel that spills registers or uses local memory in the build log: the
+        # full suite holds the serving set to the spills it allows (tests/jit/test_compile_serving_set.py)
         argv = [str(tc.nvcc), "-ccbin", str(tc.cxx), "-shared", "-Xcompiler", "-fPIC", "-std=c++20", *opt,
                 "--expt-relaxed-constexpr", arch.gencode(), f"-DDSV4JIT_CUDA_ARCH={arch.number}",
-                "--threads", "1", "-Xptxas=-warn-spills", *extra, *env.extra_cuda_flags(), *deps, *includes,
-                "-o", "module.so", source, *link]
+                "--threads", "1", "-Xptxas=-warn-spills,-warn-lmem-usage", *extra, *env.extra_cuda_flags(), *deps,
+                *includes, "-o", "module.so", source, *link]
     settings = {} if variant.spec.target == "host" else env.nvcc_flag_variables()
     tokens = [(str(cache.CSRC), "<pkg>"), (str(tvm["include"]), "<tvm_ffi>"), (str(tvm["dlpack"]), "<dlpack>"),
               (str(tvm["lib"]), "<tvm_ffi_lib>"), (str(tc.cxx), "<cxx>")]
