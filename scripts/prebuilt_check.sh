@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The prebuilt kernels on a GPU machine with no compiler in reach and no network: a fresh venv that
-# takes torch from the image (a .pth file naming the running python3's packages), the dsv4jit wheel, a wheel of prebuilt kernels
-# and tvm-ffi installed from local files (--no-index --no-deps), nvcc hidden, DSV4JIT_NO_COMPILE=1 and
-# an empty kernel cache; then `info`, the serving set listed and every variant of it loaded, the demo
-# and examples/serving_step.py, and a check that nothing was compiled. Logs under ${OUT:-prebuilt-logs}.
+# takes torch from the image (a .pth file naming the running python3's packages), the dsv4jit wheel, a
+# wheel of prebuilt kernels and tvm-ffi installed from local files (--no-index --no-deps), nvcc hidden,
+# DSV4JIT_NO_COMPILE=1 and an empty kernel cache; then `info`, the serving set listed and every variant
+# of it loaded, the demo and examples/serving_step.py, and a check that nothing was compiled. Logs
+# under ${OUT:-prebuilt-logs}.
 #
 #   scripts/prebuilt_check.sh WHEELS_DIR TVM_FFI_DIR
 #     WHEELS_DIR   dsv4jit-<version>-py3-none-any.whl (python -m build) and
