@@ -216,3 +216,18 @@ def fake_nvcc(tmp_path):
         return nvcc
 
     return make
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """``run_cli(*argv) -> (exit code, stdout, stderr)`` of the in-process CLI."""
+
+    from dsv4jit import cli
+
+    def call(*argv: str):
+        capsys.readouterr()
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call

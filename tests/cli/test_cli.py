@@ -29,21 +29,8 @@ pytestmark = pytest.mark.usefixtures("jit_env")
 SELECT = ["--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID]
 
 
-@pytest.fixture
-def run(capsys):
-    """``run(*argv) -> (exit code, stdout, stderr)`` of the in-process CLI."""
-
-    def call(*argv: str):
-        capsys.readouterr()
-        code = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
-
-
-def run_json(run, *argv: str):
-    code, out, err = run(*argv, "--json")
+def run_json(run_cli, *argv: str):
+    code, out, err = run_cli(*argv, "--json")
     return code, json.loads(out)
 
 
@@ -68,9 +55,9 @@ def test_a_default_install_prints_no_third_party_warning(cache_dir):
     assert "Warning" not in res.stderr, res.stderr
 
 
-def test_no_subcommand_is_a_usage_error(run):
+def test_no_subcommand_is_a_usage_error(run_cli):
     with pytest.raises(SystemExit) as exit_:
-        run()
+        run_cli()
     assert exit_.value.code == 2
 
 
@@ -78,14 +65,14 @@ def test_no_subcommand_is_a_usage_error(run):
 # precompile
 
 
-def test_precompile_cached_variant(run, warm_cache):
-    code, out, err = run("precompile", *SELECT)
+def test_precompile_cached_variant(run_cli, warm_cache):
+    code, out, err = run_cli("precompile", *SELECT)
     assert code == 0, err
     assert "cached 1" in out and "built 0" in out and "failed 0" in out
 
 
-def test_precompile_json(run, warm_cache):
-    code, payload = run_json(run, "precompile", *SELECT)
+def test_precompile_json(run_cli, warm_cache):
+    code, payload = run_json(run_cli, "precompile", *SELECT)
     assert code == 0
     assert payload["results"] == [{"variant": SELFTEST_ID, "arch": "sm_90a", "status": "cached",
                                    "entry": str(warm_cache.entry)}]
@@ -93,48 +80,48 @@ def test_precompile_json(run, warm_cache):
     assert isinstance(payload["wall_seconds"], (int, float))
 
 
-def test_precompile_dry_run_builds_nothing(run, fake_nvcc, tmp_path, monkeypatch, cache_dir):
+def test_precompile_dry_run_builds_nothing(run_cli, fake_nvcc, tmp_path, monkeypatch, cache_dir):
     counter = tmp_path / "nvcc-runs"
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=counter)))
-    code, out, err = run("precompile", *SELECT, "--dry-run")
+    code, out, err = run_cli("precompile", *SELECT, "--dry-run")
     assert code == 0, err
     assert out.split() == ["would", "build", SELFTEST_ID, "sm_90a"]
-    code, payload = run_json(run, "precompile", *SELECT, "--dry-run")
+    code, payload = run_json(run_cli, "precompile", *SELECT, "--dry-run")
     [row] = payload["results"]
     assert row["status"] == "would build" and row["key"] == loader.resolve(
         loader.variant("selftest", dtype="fp32", pdl=True), loader.Arch.parse("9.0a")).info.key
     assert not counter.exists() and entries_on_disk(cache_dir) == []
 
 
-def test_precompile_dry_run_on_a_warm_cache_reports_cached(run, warm_cache):
-    code, out, err = run("precompile", *SELECT, "--dry-run")
+def test_precompile_dry_run_on_a_warm_cache_reports_cached(run_cli, warm_cache):
+    code, out, err = run_cli("precompile", *SELECT, "--dry-run")
     assert code == 0 and out.split() == ["cached", SELFTEST_ID, "sm_90a"]
 
 
-def test_precompile_builds_into_cache_dir_option(run, fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir):
+def test_precompile_builds_into_cache_dir_option(run_cli, fake_nvcc, prebuilt, tmp_path, monkeypatch, cache_dir):
     # --cache-dir overrides DSV4JIT_CACHE_DIR, for this command only; the stand-in nvcc "compiles" by copying.
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
     target = tmp_path / "image-cache"
-    code, payload = run_json(run, "precompile", *SELECT, "--cache-dir", str(target))
+    code, payload = run_json(run_cli, "precompile", *SELECT, "--cache-dir", str(target))
     assert code == 0
     [row] = payload["results"]
     assert row["status"] == "built" and row["variant"] == SELFTEST_ID
     assert len(entries_on_disk(target)) == 1 and (target / "toolchain.json").is_file()
     assert os.environ["DSV4JIT_CACHE_DIR"] == str(cache_dir)  # the process's own setting is left alone
     assert entries_on_disk(cache_dir) == [] and not (cache_dir / "toolchain.json").exists()
-    code, payload = run_json(run, "precompile", *SELECT, "--cache-dir", str(target))  # looked up there too
+    code, payload = run_json(run_cli, "precompile", *SELECT, "--cache-dir", str(target))  # looked up there too
     assert [r["status"] for r in payload["results"]] == ["cached"]
-    code, payload = run_json(run, "precompile", *SELECT, "--dry-run")
+    code, payload = run_json(run_cli, "precompile", *SELECT, "--dry-run")
     assert [r["status"] for r in payload["results"]] == ["would build"]
 
 
-def test_precompile_failing_build_exits_1(run, fake_nvcc, monkeypatch, cache_dir):
+def test_precompile_failing_build_exits_1(run_cli, fake_nvcc, monkeypatch, cache_dir):
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
-    code, out, err = run("precompile", *SELECT)
+    code, out, err = run_cli("precompile", *SELECT)
     assert code == 1
     assert "FAILED" in out and "wrapper.cu(3): error: something broke" in out
     assert "failed 1" in out
-    code, payload = run_json(run, "precompile", *SELECT)
+    code, payload = run_json(run_cli, "precompile", *SELECT)
     assert code == 1
     [row] = payload["results"]
     assert row["status"] == "failed" and "something broke" in row["error"]
@@ -146,26 +133,26 @@ def test_precompile_failing_build_exits_1(run, fake_nvcc, monkeypatch, cache_dir
     (["--arch", "9.0a", "--kernel", "nosuchkernel"], "unknown kernel 'nosuchkernel'"),
     (["--arch", "9.0a", "--set", "selftest[dtype=fp64,pdl=1]"], "fp64"),
 ])
-def test_precompile_usage_errors_exit_2(run, argv, message):
-    code, out, err = run("precompile", *argv)
+def test_precompile_usage_errors_exit_2(run_cli, argv, message):
+    code, out, err = run_cli("precompile", *argv)
     assert code == 2
     assert message in err
 
 
-def test_precompile_without_nvcc_exits_2(run, no_toolchain, cache_dir):
-    code, out, err = run("precompile", *SELECT)
+def test_precompile_without_nvcc_exits_2(run_cli, no_toolchain, cache_dir):
+    code, out, err = run_cli("precompile", *SELECT)
     assert code == 2
     assert "nvcc not found (looked at" in err
     assert entries_on_disk(cache_dir) == []
 
 
 @pytest.mark.parametrize("command", [["list"], ["info"], ["precompile", *SELECT]])
-def test_without_tvm_ffi_commands_exit_2_naming_the_package(run, monkeypatch, cache_dir, command):
+def test_without_tvm_ffi_commands_exit_2_naming_the_package(run_cli, monkeypatch, cache_dir, command):
     monkeypatch.setitem(sys.modules, "tvm_ffi", None)  # import tvm_ffi raises ImportError
     monkeypatch.setitem(sys.modules, "tvm_ffi.libinfo", None)
     cache.tvm_ffi_info.cache_clear()
     try:
-        code, out, err = run(*command)
+        code, out, err = run_cli(*command)
     finally:
         cache.tvm_ffi_info.cache_clear()
     assert code == 2, err
@@ -173,8 +160,8 @@ def test_without_tvm_ffi_commands_exit_2_naming_the_package(run, monkeypatch, ca
     assert "internal error" not in err
 
 
-def test_precompile_without_nvcc_accepts_cached_variants(run, no_toolchain, warm_cache):
-    code, out, err = run("precompile", *SELECT)
+def test_precompile_without_nvcc_accepts_cached_variants(run_cli, no_toolchain, warm_cache):
+    code, out, err = run_cli("precompile", *SELECT)
     assert code == 0, err
     assert "cached 1" in out
 
@@ -183,8 +170,8 @@ def test_precompile_without_nvcc_accepts_cached_variants(run, no_toolchain, warm
 # list
 
 
-def test_list_shows_status(run, warm_cache):
-    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
+def test_list_shows_status(run_cli, warm_cache):
+    code, out, err = run_cli("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
     assert code == 0, err
     header, *rows = out.splitlines()
     assert header.split() == ["status", "variant", "arch", "bytes", "build", "s"]
@@ -196,21 +183,23 @@ def test_list_shows_status(run, warm_cache):
     assert all(row.index("sm_90a") == header.index("arch") for row in rows)  # columns under their labels
 
 
-def test_list_status_missing_fails_when_something_is_missing_and_always_has_its_header(run, warm_cache):
+def test_list_status_missing_fails_when_something_is_missing_and_always_has_its_header(run_cli, warm_cache):
     """What serving.md offers to verify an image: its exit status says whether the image is complete."""
-    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID, "--status", "missing")
+    code, out, err = run_cli("list", "--arch", "9.0a", "--kernel", "selftest", "--set", SELFTEST_ID,
+                             "--status", "missing")
     assert (code, out.split()) == (0, ["status", "variant", "arch", "bytes", "build", "s"])  # nothing missing
-    code, out, err = run("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all", "--status", "missing")
+    code, out, err = run_cli("list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all", "--status", "missing")
     header, *rows = out.splitlines()
     assert code == 1 and header.split()[:3] == ["status", "variant", "arch"]
     assert len(rows) == len(SELFTEST.all_variants()) - 1 and all(r.startswith("missing ") for r in rows)
     assert f"{len(rows)} of {len(rows) + 1} selected variants are missing" in err
-    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all", "--status", "missing")
+    code, payload = run_json(run_cli, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
+                             "--status", "missing")
     assert code == 1 and len(payload["variants"]) == len(rows)
 
 
-def test_list_json_and_status_filter(run, warm_cache):
-    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
+def test_list_json_and_status_filter(run_cli, warm_cache):
+    code, payload = run_json(run_cli, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all")
     assert code == 0
     rows = {r["variant"]: r for r in payload["variants"]}
     assert len(rows) == len(SELFTEST.all_variants())
@@ -219,10 +208,10 @@ def test_list_json_and_status_filter(run, warm_cache):
     assert hit["size"] == (warm_cache.entry / "module.so").stat().st_size
     assert all(r["status"] == "missing" and r["entry"] is None for v, r in rows.items() if v != SELFTEST_ID)
 
-    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
+    code, payload = run_json(run_cli, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
                              "--status", "missing")
     assert sorted(r["variant"] for r in payload["variants"]) == sorted(set(rows) - {SELFTEST_ID})
-    code, payload = run_json(run, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
+    code, payload = run_json(run_cli, "list", "--arch", "9.0a", "--kernel", "selftest", "--set", "all",
                              "--status", "cached")
     assert [r["variant"] for r in payload["variants"]] == [SELFTEST_ID]
 
@@ -239,9 +228,9 @@ def write_orphan(root: Path) -> Path:
     return entry
 
 
-def test_list_entries_flags_orphans(run, warm_cache):
+def test_list_entries_flags_orphans(run_cli, warm_cache):
     orphan = write_orphan(warm_cache.root)
-    code, payload = run_json(run, "list", "--entries")
+    code, payload = run_json(run_cli, "list", "--entries")
     assert code == 0
     rows = {r["entry"]: r for r in payload["entries"]}
     assert set(rows) == {str(warm_cache.entry), str(orphan)}
@@ -249,7 +238,7 @@ def test_list_entries_flags_orphans(run, warm_cache):
     assert rows[str(warm_cache.entry)]["orphan"] is False
     assert rows[str(warm_cache.entry)]["key"] == warm_cache.key
 
-    code, out, err = run("list", "--entries")
+    code, out, err = run_cli("list", "--entries")
     header, *rows = out.splitlines()
     assert header.split() == ["variant", "arch", "key", "bytes", "entry", "note"]
     [orphan_line] = [line for line in rows if line.endswith("  orphan")]
@@ -260,20 +249,20 @@ def test_list_entries_flags_orphans(run, warm_cache):
 # clean
 
 
-def test_clean_dry_run_keeps_files_and_reports_bytes(run, warm_cache):
+def test_clean_dry_run_keeps_files_and_reports_bytes(run_cli, warm_cache):
     size = cache.dir_size(warm_cache.entry)
-    code, payload = run_json(run, "clean", "--kernel", "selftest", "--dry-run")
+    code, payload = run_json(run_cli, "clean", "--kernel", "selftest", "--dry-run")
     assert code == 0
     assert payload == {"removed": [str(warm_cache.entry)], "bytes": size, "dry_run": True}
-    code, out, err = run("clean", "--kernel", "selftest", "--dry-run")
+    code, out, err = run_cli("clean", "--kernel", "selftest", "--dry-run")
     assert f"would free {size} bytes" in out
     assert (warm_cache.entry / "manifest.json").is_file()
 
 
-def test_clean_kernel_removes_its_entries(run, warm_cache):
+def test_clean_kernel_removes_its_entries(run_cli, warm_cache):
     orphan = write_orphan(warm_cache.root)
     size = cache.dir_size(warm_cache.entry)
-    code, out, err = run("clean", "--kernel", "selftest")
+    code, out, err = run_cli("clean", "--kernel", "selftest")
     assert code == 0, err
     assert f"freed {size} bytes in 1 paths" in out
     assert not warm_cache.entry.exists()
@@ -283,20 +272,20 @@ def test_clean_kernel_removes_its_entries(run, warm_cache):
     assert loader.resolve(variant, arch).entry is None
 
 
-def test_clean_orphans_removes_only_orphans(run, warm_cache):
+def test_clean_orphans_removes_only_orphans(run_cli, warm_cache):
     orphan = write_orphan(warm_cache.root)
-    code, payload = run_json(run, "clean", "--orphans")
+    code, payload = run_json(run_cli, "clean", "--orphans")
     assert code == 0 and payload["removed"] == [str(orphan)]
     assert not orphan.exists() and warm_cache.entry.exists()
 
 
-def test_clean_without_selection_exits_2(run, warm_cache):
-    code, out, err = run("clean")
+def test_clean_without_selection_exits_2(run_cli, warm_cache):
+    code, out, err = run_cli("clean")
     assert code == 2 and "--all" in err
     assert warm_cache.entry.exists()
 
 
-def test_clean_stale_removes_the_leftovers_of_builds_but_no_live_stage(run, warm_cache, monkeypatch):
+def test_clean_stale_removes_the_leftovers_of_builds_but_no_live_stage(run_cli, warm_cache, monkeypatch):
     monkeypatch.setenv("DSV4JIT_BUILD_TIMEOUT", "30")
     folder = warm_cache.entry.parent
     old, fresh = folder / ".stage-selftest__fp32_pdl-old-1", folder / ".stage-selftest__fp32_pdl-fresh-2"
@@ -311,7 +300,7 @@ def test_clean_stale_removes_the_leftovers_of_builds_but_no_live_stage(run, warm
     failed.mkdir(parents=True)
     (failed / "build.log").write_text("error\n")
 
-    code, payload = run_json(run, "clean", "--stale")
+    code, payload = run_json(run_cli, "clean", "--stale")
     assert code == 0
     assert sorted(payload["removed"]) == sorted(str(p) for p in (old, swapped, set_aside, other_schema,
                                                                  warm_cache.root / "failed"))
@@ -336,12 +325,12 @@ def test_clean_of_an_explicit_root_touches_only_that_root(warm_cache, prebuilt, 
     assert clean(kernels={"selftest"}, dry_run=True).removed == [warm_cache.entry]  # the default: DSV4JIT_CACHE_DIR
 
 
-def test_clean_stale_removes_superseded_keys(run, warm_cache, monkeypatch):
+def test_clean_stale_removes_superseded_keys(run_cli, warm_cache, monkeypatch):
     """An entry built with other flags is no longer the variant's current key: stale."""
-    code, payload = run_json(run, "clean", "--stale", "--dry-run")
+    code, payload = run_json(run_cli, "clean", "--stale", "--dry-run")
     assert code == 0 and payload["removed"] == []
     monkeypatch.setenv("DSV4JIT_EXTRA_CUDA_FLAGS", "-DSOMETHING_NEW=1")
-    code, payload = run_json(run, "clean", "--stale")
+    code, payload = run_json(run_cli, "clean", "--stale")
     assert code == 0 and payload["removed"] == [str(warm_cache.entry)]
     assert not warm_cache.entry.exists()
 
@@ -363,17 +352,17 @@ def test_output_into_a_reader_that_left_exits_quietly(argv, warm_cache):
 
 @pytest.mark.parametrize("value, words", [("8.0", "unsupported CUDA arch '8.0' (sm_80)"),
                                           ("garbage", "invalid CUDA arch 'garbage'")])
-def test_info_warns_of_an_invalid_arch_setting_and_its_check_refuses_it(run, warm_cache, monkeypatch, value, words):
+def test_info_warns_of_an_invalid_arch_setting_and_its_check_refuses_it(run_cli, warm_cache, monkeypatch, value, words):
     monkeypatch.setenv("DSV4JIT_CUDA_ARCH", value)
-    code, out, err = run("info")
+    code, out, err = run_cli("info")
     assert code == 0 and f"env: DSV4JIT_CUDA_ARCH={value}" in out
     assert err.startswith(f"dsv4jit: warning: DSV4JIT_CUDA_ARCH: {words}"), err
-    code, out, err = run("info", "--check")
+    code, out, err = run_cli("info", "--check")
     assert (code, out) == (2, "") and err.startswith(f"dsv4jit: DSV4JIT_CUDA_ARCH: {words}"), err
 
 
-def test_info_text(run, warm_cache):
-    code, out, err = run("info")
+def test_info_text(run_cli, warm_cache):
+    code, out, err = run_cli("info")
     assert code == 0, err
     assert out.startswith(f"dsv4jit {__version__}")
     assert "nvcc: " in out and "tvm-ffi: " in out and "torch: " in out
@@ -381,10 +370,10 @@ def test_info_text(run, warm_cache):
     assert "env: DSV4JIT_CUDA_ARCH=9.0a" in out
 
 
-def test_info_json_fields(run, warm_cache):
+def test_info_json_fields(run_cli, warm_cache):
     import torch
 
-    code, info = run_json(run, "info")
+    code, info = run_json(run_cli, "info")
     assert code == 0
     assert {"nvcc", "tvm_ffi", "torch", "gpus", "cache_roots", "env"} <= set(info)
     assert info["torch"]["version"] == torch.__version__
@@ -398,12 +387,12 @@ def test_info_json_fields(run, warm_cache):
     assert "path" in info["nvcc"] or "error" in info["nvcc"]
 
 
-def test_info_check_without_gpu(run, warm_cache):
+def test_info_check_without_gpu(run_cli, warm_cache):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("with a GPU the check runs the kernel")
-    code, info = run_json(run, "info", "--check")
+    code, info = run_json(run_cli, "info", "--check")
     assert code == 0
     assert info["check"]["ok"] is True
     assert SELFTEST_ID in info["check"]["detail"] and "not run" in info["check"]["detail"]
@@ -413,14 +402,14 @@ def test_info_check_without_gpu(run, warm_cache):
     (["--arch", "9.0a"], None, "selftest[dtype=fp32,pdl=1] for sm_90a"),
     (["--arch", "9.0a"], "DSV4JIT_DISABLE_PDL", "selftest[dtype=fp32,pdl=0] for sm_90a"),
 ])
-def test_info_check_loads_the_variant_the_ops_would(run, fake_nvcc, prebuilt, monkeypatch, argv, setting, expected):
+def test_info_check_loads_the_variant_the_ops_would(run_cli, fake_nvcc, prebuilt, monkeypatch, argv, setting, expected):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the check loads and does not run
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module)))
     if setting:
         monkeypatch.setenv(setting, "1")
-    code, info = run_json(run, "info", "--check", *argv)
+    code, info = run_json(run_cli, "info", "--check", *argv)
     assert code == 0 and info["check"]["ok"] is True
     assert info["check"]["detail"].startswith(f"{expected} loaded in ")
 
@@ -434,18 +423,18 @@ SUPPORTED = "the kernels build for sm_90a (H100, H200), sm_100a (B200, GB200), s
     (["info", "--check", "--arch", "sm_103a"], None, "unsupported CUDA arch 'sm_103a' (sm_103a)"),
     (["list", "--kernel", "plan"], "10.0f", "DSV4JIT_CUDA_ARCH: unsupported CUDA arch '10.0f' (sm_100f)"),
 ])
-def test_an_unsupported_arch_is_rejected_before_compiling(run, fake_nvcc, tmp_path, monkeypatch, argv, setting,
+def test_an_unsupported_arch_is_rejected_before_compiling(run_cli, fake_nvcc, tmp_path, monkeypatch, argv, setting,
                                                           error):
     calls = tmp_path / "nvcc-calls"
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail", counter=calls)))
     if setting:
         monkeypatch.setenv("DSV4JIT_CUDA_ARCH", setting)
-    code, out, err = run(*argv)
+    code, out, err = run_cli(*argv)
     assert (code, out, err) == (2, "", f"dsv4jit: {error}: {SUPPORTED}\n")
     assert not calls.exists()
 
 
-def test_a_gpu_of_an_unsupported_arch_is_named_before_compiling(run, fake_nvcc, tmp_path, monkeypatch):
+def test_a_gpu_of_an_unsupported_arch_is_named_before_compiling(run_cli, fake_nvcc, tmp_path, monkeypatch):
     import torch
 
     from dsv4jit.errors import DSV4JITToolchainError
@@ -459,25 +448,25 @@ def test_a_gpu_of_an_unsupported_arch_is_named_before_compiling(run, fake_nvcc, 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
     error = f"GPU 0 (NVIDIA A100-SXM4-80GB) is sm_80, which dsv4jit does not support ({SUPPORTED})"
-    assert run("precompile", "--kernel", "selftest") == (2, "", f"dsv4jit: {error}\n")
+    assert run_cli("precompile", "--kernel", "selftest") == (2, "", f"dsv4jit: {error}\n")
     with pytest.raises(DSV4JITToolchainError, match=re.escape(error)):
         loader.arch_for(torch.device("cuda", 0))  # what the ops and warmup resolve
     assert not calls.exists()
 
 
-def test_info_check_reports_a_failed_build(run, fake_nvcc, monkeypatch):
+def test_info_check_reports_a_failed_build(run_cli, fake_nvcc, monkeypatch):
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("fail")))
-    code, out, err = run("info", "--check")
+    code, out, err = run_cli("info", "--check")
     assert code == 1
     assert "check: FAILED" in out and "something broke" in out
 
 
-def test_info_variant_shows_the_key_document(run, warm_cache):
-    code, out, err = run("info", SELFTEST_ID, "--arch", "9.0a")
+def test_info_variant_shows_the_key_document(run_cli, warm_cache):
+    code, out, err = run_cli("info", SELFTEST_ID, "--arch", "9.0a")
     assert code == 0, err
     assert f"variant {SELFTEST_ID} sm_90a: key {warm_cache.key} entry {warm_cache.entry}" in out
     assert f'"variant": "{SELFTEST_ID}"' in out and '"headers": {' in out
-    code, info = run_json(run, "info", SELFTEST_ID, "--arch", "9.0a")
+    code, info = run_json(run_cli, "info", SELFTEST_ID, "--arch", "9.0a")
     [item] = info["variant"]
     assert item["key"] == warm_cache.key
     assert item["document"] == cache.read_manifest(warm_cache.entry)["document"]
@@ -499,26 +488,26 @@ TARGETS_OF = {
 
 
 @pytest.mark.parametrize("command", TARGETS_OF)
-def test_without_gpu_or_arch_every_subcommand_targets_sm90a_and_says_so(command, run, warm_cache, monkeypatch):
+def test_without_gpu_or_arch_every_subcommand_targets_sm90a_and_says_so(command, run_cli, warm_cache, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("DSV4JIT_CUDA_ARCH")
     argv, archs = TARGETS_OF[command]
-    code, out, err = run(*argv, "--json")
+    code, out, err = run_cli(*argv, "--json")
     assert code == 0, err
     assert archs(json.loads(out)) == ["sm_90a"]
     assert "dsv4jit: no GPU visible: targeting sm_90a (pass --arch or set DSV4JIT_CUDA_ARCH" in err
 
 
-def test_unknown_kernels_are_rejected_alike_by_every_subcommand(run, warm_cache):
+def test_unknown_kernels_are_rejected_alike_by_every_subcommand(run_cli, warm_cache):
     from dsv4jit.jit.kernels import SPECS
 
     errors = set()
     for argv in (["precompile", "--kernel", "nosuch"], ["precompile", "--set", "nosuch[x=1]"],
                  ["list", "--kernel", "nosuch"], ["clean", "--kernel", "nosuch"], ["info", "nosuch[x=1]"],
                  ["info", "nosuch"]):
-        code, out, err = run(*argv)
+        code, out, err = run_cli(*argv)
         assert code == 2 and out == "", argv
         errors.add(err)
     assert errors == {f"dsv4jit: unknown kernel 'nosuch'; known: {', '.join(sorted(SPECS))}\n"}
@@ -530,23 +519,23 @@ def test_unknown_kernels_are_rejected_alike_by_every_subcommand(run, warm_cache)
     (["list", "--set", "selftest[dtype=fp64,pdl=1]"], "parameter 'dtype' must be one of ['fp32', 'bf16']"),
     (["precompile", "--set", "store[dtype=fp32"], "malformed variant id 'store[dtype=fp32'"),
 ])
-def test_variant_id_errors_show_ids_that_work(run, argv, error):
-    code, out, err = run(*argv)
+def test_variant_id_errors_show_ids_that_work(run_cli, argv, error):
+    code, out, err = run_cli(*argv)
     assert code == 2 and error in err
     examples = re.search(r"variant ids look like (\S+) or (\S+) \(", err)
     assert examples, err
     for example in examples.groups():
-        code, payload = run_json(run, "list", "--set", example)
+        code, payload = run_json(run_cli, "list", "--set", example)
         assert code == 0 and [r["variant"] for r in payload["variants"]] == [example]
 
 
-def test_a_bug_shows_its_traceback_and_exits_3(run, warm_cache, monkeypatch):
+def test_a_bug_shows_its_traceback_and_exits_3(run_cli, warm_cache, monkeypatch):
     """A ValueError from inside the library is not a usage error: nothing the user typed is wrong."""
     def broken(root):
         raise ValueError("manifest table in a bad state")
 
     monkeypatch.setattr(cache, "iter_entries", broken)
-    code, out, err = run("list", "--entries")
+    code, out, err = run_cli("list", "--entries")
     assert code == cli.EXIT_BUG == 3 and out == ""
     assert "Traceback (most recent call last)" in err and "ValueError: manifest table in a bad state" in err
     assert "dsv4jit: internal error (exit 3): a bug in dsv4jit" in err.splitlines()[-1]
@@ -571,10 +560,10 @@ def test_a_bug_shows_its_traceback_and_exits_3(run, warm_cache, monkeypatch):
     ("DSV4JIT_EXTRA_CUDA_FLAGS", '"-O3', ["list", "--kernel", "selftest"],
      "DSV4JIT_EXTRA_CUDA_FLAGS='\"-O3' cannot be split into words as a shell would (No closing quotation)"),
 ])
-def test_a_malformed_setting_is_a_usage_error(run, warm_cache, monkeypatch, setting, value, argv, message):
+def test_a_malformed_setting_is_a_usage_error(run_cli, warm_cache, monkeypatch, setting, value, argv, message):
     (warm_cache.entry.parent / ".stage-selftest__fp32_pdl-x-1").mkdir()  # clean --stale reads the timeout for it
     monkeypatch.setenv(setting, value)
-    code, out, err = run(*argv)
+    code, out, err = run_cli(*argv)
     assert (code, out, err) == (2, "", f"dsv4jit: {message}\n")
 
 
@@ -620,13 +609,13 @@ def test_demo_help_shows_the_gpu_and_cpu_defaults():
     assert f"(default: {GPU_DEFAULTS.decode_plans})" in text
 
 
-def test_a_long_compile_says_it_is_alive(run, fake_nvcc, prebuilt, monkeypatch, caplog):
+def test_a_long_compile_says_it_is_alive(run_cli, fake_nvcc, prebuilt, monkeypatch, caplog):
     from dsv4jit.jit import progress
 
     monkeypatch.setattr(progress, "INTERVAL", 0.3)
     monkeypatch.setenv("DSV4JIT_NVCC", str(fake_nvcc("copy", copy_from=prebuilt.module, sleep=1.5)))
     caplog.set_level(logging.INFO, logger="dsv4jit")
-    code, out, err = run("precompile", *SELECT)
+    code, out, err = run_cli("precompile", *SELECT)
     assert code == 0, err
     alive = [r.getMessage() for r in caplog.records if "still compiling" in r.getMessage()]
     assert alive and all(re.fullmatch(rf"dsv4jit: \.\.\. still compiling {re.escape(SELFTEST_ID)} for sm_90a "
@@ -639,28 +628,28 @@ def test_a_long_compile_says_it_is_alive(run, fake_nvcc, prebuilt, monkeypatch, 
 # demo and bench (their own behaviour is tested in test_demo.py and test_bench_report.py)
 
 
-def test_help_lists_every_subcommand(run):
+def test_help_lists_every_subcommand(run_cli):
     with pytest.raises(SystemExit) as exit_:
-        run("--help")
+        run_cli("--help")
     assert exit_.value.code == 0
     out = cli.build_parser().format_help()
     for name in ("demo", "bench", "precompile", "package", "list", "clean", "info"):
         assert name in out
 
 
-def test_bench_list_names_the_benchmark_modules(run):
-    code, payload = run_json(run, "bench", "--list")
+def test_bench_list_names_the_benchmark_modules(run_cli):
+    code, payload = run_json(run_cli, "bench", "--list")
     assert code == 0
     assert {"compress", "store", "plan", "overhead"} <= set(payload["benchmarks"])
-    code, payload = run_json(run, "bench", "--list", "--bench", "plan")
+    code, payload = run_json(run_cli, "bench", "--list", "--bench", "plan")
     assert payload["benchmarks"] == ["plan"]
 
 
-def test_bench_usage_errors_exit_2(run, monkeypatch):
-    code, _, err = run("bench", "--bench", "nosuch", "--out", "x")
+def test_bench_usage_errors_exit_2(run_cli, monkeypatch):
+    code, _, err = run_cli("bench", "--bench", "nosuch", "--out", "x")
     assert code == 2 and "unknown benchmark nosuch" in err
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code, _, err = run("bench", "--out", "x")
+    code, _, err = run_cli("bench", "--out", "x")
     assert code == 2 and "needs a CUDA GPU" in err

@@ -136,17 +136,6 @@ def test_package_needs_the_toolkit_it_tags(run_cli, no_toolchain, warm_cache):
     assert code == 2 and out == "" and "nvcc not found" in err
 
 
-@pytest.fixture
-def run_cli(capsys):
-    def call(*argv: str):
-        capsys.readouterr()
-        code = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
-
-
 # --------------------------------------------------------------------------------------------
 # discovery
 
