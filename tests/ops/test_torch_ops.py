@@ -179,9 +179,9 @@ def test_opcheck_online(decode):
     kvcache = torch.zeros(x.shape[0] // 2 + 1, page_bytes("v4_fp8", 2), dtype=torch.uint8)
     num_q = -1 if decode else plan.num_q_tokens
     args = (state, x, ape, plan.plan_rows, plan_w, 1 + torch.rand(hd, generator=gen), freq, out_loc, kvcache, None,
-            "v4_fp8", 2, 1e-6, num_q, decode)
-    torch.library.opcheck(torch.ops.dsv4jit.compress_and_store_online.default, args)
-    torch.ops.dsv4jit.compress_and_store_online.default(*args)
+            "v4_fp8", 2, hd, 128, decode, 1e-6, num_q, True, True)  # reads_state, is_online
+    torch.library.opcheck(torch.ops.dsv4jit.compress_and_store.default, args)
+    torch.ops.dsv4jit.compress_and_store.default(*args)
     assert kvcache.any(), "the step stored nothing: a vacuous test"
 
 

@@ -56,11 +56,11 @@ def compat_prefill(op: str, kv_score_input: torch.Tensor, ape: torch.Tensor, com
 
 def store(op: str, kv: torch.Tensor | None, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
           out_loc: torch.Tensor, compress_ratio: int, is_decode: bool) -> None:
-    """The store step's values (reference/store.py, `finite_values`): kv's stored rows (None: a fused
-    op's own rows), the norm weight, the rope table at the stored positions."""
-    keep, positions, _ = ref_store.select_rows(plan_rows, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
-    _reworded(op, ("kv", "norm_weight", "freq_cis"),
-              lambda: ref_store.finite_values(kv, keep, positions, norm_weight, freq))
+    """The store step's rows (reference/store.py, `stored_rows`): no two stored rows name one cache
+    location, and their values are finite: kv's stored rows (None: a fused op's own rows), the norm
+    weight, the rope table at the stored positions."""
+    _reworded(op, ("out_loc", "kv", "norm_weight", "freq_cis"), lambda: ref_store.stored_rows(
+        kv, plan_rows, out_loc, norm_weight, freq, is_decode=is_decode, compress_ratio=compress_ratio))
 
 
 def fused(op: str, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,

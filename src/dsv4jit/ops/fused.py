@@ -27,7 +27,7 @@ from .compress import RING, compress_op
 from .online import KIND as ONLINE
 from .online import RATIO as ONLINE_RATIO
 from .online import online_op
-from .store import check_store, checked_locations, store_op
+from .store import check_store, store_op
 
 _OP = "compress_and_store"
 _TENSORS = ("kv_score_buffer", "kv_score_input", "ape", "norm_weight", "freq_cis", "out_loc", "kvcache")
@@ -198,16 +198,12 @@ def _compress_and_store(kv_score_buffer, kv_score_input, ape, plan, head_dim, co
         row_dtype = kind.row_dtype(kv_score_input.dtype)
         kernel_ape = common.ape_as(op, ape, row_dtype)
         weight = norm_weight if norm_weight.dtype == row_dtype else norm_weight.to(row_dtype)
-        args = (kv_score_buffer, kv_score_input, kernel_ape, plan.plan_rows, plan.write_rows, weight,
-                common.freq_table(freq_cis), out_loc, kvcache, kvcache_rope, fmt, page_size)
-        if is_online:
-            fused_online_op(*args, eps, plan.kernel_num_q_tokens, plan.is_decode)
-        else:
-            one_kernel = runs_fused(compress_ratio, is_online, plan.is_decode, plan.plan_rows.shape[0])
-            counts = (plan_row_counts(plan.plan_rows) if block_units(compress_ratio, is_online) and one_kernel
-                      and kv_score_input.is_cuda else None)
-            fused_op(*args, head_dim, compress_ratio, plan.is_decode, eps, plan.kernel_num_q_tokens, plan.reads_state,
-                     counts)
+        one_kernel = runs_fused(compress_ratio, is_online, plan.is_decode, plan.plan_rows.shape[0])
+        counts = (plan_row_counts(plan.plan_rows) if block_units(compress_ratio, is_online) and one_kernel
+                  and kv_score_input.is_cuda else None)
+        fused_op(kv_score_buffer, kv_score_input, kernel_ape, plan.plan_rows, plan.write_rows, weight,
+                 common.freq_table(freq_cis), out_loc, kvcache, kvcache_rope, fmt, page_size, head_dim, compress_ratio,
+                 plan.is_decode, eps, plan.kernel_num_q_tokens, plan.reads_state, is_online, counts)
     except (ValueError, TypeError, AttributeError) as e:
         common.public_error(op, e, locals(), _TENSORS, _OPTIONAL, lambda text: (
             kind.widths(op, text, head_dim, compress_ratio, kv_score_buffer, kv_score_input, ape),
@@ -278,30 +274,12 @@ def fused_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
              plan_rows: torch.Tensor, plan_w: Optional[torch.Tensor], norm_weight: torch.Tensor,
              freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, kvcache_rope: Optional[torch.Tensor],
              store_format: str, page_size: int, head_dim: int, compress_ratio: int, is_decode: bool, norm_eps: float,
-             num_q_tokens: int, reads_state: bool, row_counts: Optional[torch.Tensor] = None) -> None:
+             num_q_tokens: int, reads_state: bool, is_online: bool = False,
+             row_counts: Optional[torch.Tensor] = None) -> None:
     """compress_and_store on unpacked plan tensors (plan_w: None in decode; freq: the real table;
-    reads_state: the prefill plan's, True in decode; kvcache_rope: the two pools' rope pool, else None).
-    Ring c128 on CUDA: row_counts from plan_row_counts() (zero again after the call)."""
-    _run(RING, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         kvcache_rope, store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode,
-         reads_state, row_counts)
-
-
-@library.custom_op("compress_and_store_online", mutates_args=("kv_score_buffer", "kvcache", "kvcache_rope"))
-def fused_online_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor,
-                    plan_rows: torch.Tensor, plan_w: torch.Tensor | None, norm_weight: torch.Tensor,
-                    freq: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor,
-                    kvcache_rope: Optional[torch.Tensor], store_format: str, page_size: int, norm_eps: float,
-                    num_q_tokens: int, is_decode: bool) -> None:
-    """compress_and_store(is_online=True) on unpacked plan tensors (plan_w: None in decode; freq: the real table)."""
-    _run(ONLINE, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         kvcache_rope, store_format, page_size, V4_HEAD_DIM, ONLINE_RATIO, norm_eps, num_q_tokens, is_decode, True)
-
-
-def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, kvcache,
-         kvcache_rope, store_format, page_size, head_dim, compress_ratio, norm_eps, num_q_tokens, is_decode,
-         reads_state, row_counts=None) -> None:
-    is_online = kind is ONLINE
+    reads_state: the prefill plan's, True in decode and online; kvcache_rope: the two pools' rope pool,
+    else None). Ring c128 on CUDA: row_counts from plan_row_counts() (zero again after the call)."""
+    kind = ONLINE if is_online else RING
     device = common.cuda_device(kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc,
                                 kvcache, kvcache_rope)
     if device is None:  # the reference of the two steps, the store's arguments checked before the first writes
@@ -320,7 +298,6 @@ def _run(kind, kv_score_buffer, kv_score_input, ape, plan_rows, plan_w, norm_wei
     fn = runtime.function(name, "run", device, **params)
     status = runtime.status_word(device, words=2)
     if status is not None:
-        checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
         checked.fused(_OP, kv_score_input, ape, plan_rows, plan_w, norm_weight, freq, out_loc, head_dim,
                       compress_ratio)
     # the two steps' rows, or the ring c128 kernel's scratch beside row_counts

@@ -20,7 +20,6 @@ from ..geometry import INDEXER_HEAD_DIM, V4_HEAD_DIM
 from ..plan import CompressorDecodePlan, CompressorPrefillPlan, as_plan, check_batch
 from . import binding, checked, common
 from .fused import DESCRIBE, fused_op
-from .store import checked_locations
 
 _OP = "compress_and_store_c4_layer"
 RATIO = 4
@@ -86,10 +85,10 @@ def _fast_key(plan, use_fp4: bool, bf16_store: bool, layout, fp8_2buff: bool, bu
     return plan.__class__, use_fp4, bf16_store, layout, fp8_2buff, buffer.dtype, inputs.dtype, inputs.device
 
 
-def _layer(given: dict) -> None:
-    """The full path: every check, then the custom op (the kernel, or on the CPU the two steps'
-    references); remembers the call's launcher for the fast path."""
-    op, g = _OP, given
+def _layer(g: dict) -> None:
+    """The full path (`g`: the call's arguments by name): every check, then the custom op (the kernel,
+    or on the CPU the two steps' references); remembers the call's launcher for the fast path."""
+    op = _OP
     plan = as_plan(op, g["plan"])
     for name in ("page_size", "indexer_page_size"):
         arguments.integer(op, name, g[name])
@@ -181,11 +180,6 @@ def layer_op(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: t
     name, params = _choice(core_format, indexer_format, kv_score_buffer, kv_score_input)
     status = runtime.status_word(device, words=4)
     if status is not None:
-        for step, locs in ((f"{_OP}[core]", out_loc), (f"{_OP}[indexer]", indexer_out_loc)):
-            try:
-                checked_locations(plan_rows, locs, RATIO, is_decode)
-            except ValueError as e:
-                raise arguments.reworded(step, e, ("out_loc",)) from None
         checked.layer(_OP, plan_rows, plan_w, freq, RATIO, (kv_score_input, ape, norm_weight, out_loc),
                       (indexer_kv_score_input, indexer_ape, indexer_norm_weight, indexer_out_loc))
     run_layer(runtime.function(name, "run", device, **params), kv_score_buffer, kv_score_input, ape, norm_weight,

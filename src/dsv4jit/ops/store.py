@@ -134,17 +134,10 @@ def store_op(kv: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tenso
     fn = runtime.function(name, "run", device, **params)
     status = runtime.status_word(device)
     if status is not None:
-        checked_locations(plan_rows, out_loc, compress_ratio, is_decode)
         checked.store(_OP, kv, plan_rows, norm_weight, freq, out_loc, compress_ratio, is_decode)
     run_store(fn, kv, plan_rows, norm_weight, freq, out_loc, kvcache, kvcache_rope, status, page_size, compress_ratio,
               is_decode, norm_eps, num_q_tokens)
     runtime.raise_status(status, _OP, name, device, params)
-
-
-def checked_locations(plan_rows: torch.Tensor, out_loc: torch.Tensor, compress_ratio: int, is_decode: bool) -> None:
-    """Checked mode on the GPU, before the launch: no two stored rows name one cache location (a data
-    check, so a sync; the CPU path always makes it)."""
-    ref_store.select_rows(plan_rows, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
 
 
 def check_store(rows: torch.Tensor, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,

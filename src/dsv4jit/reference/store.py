@@ -365,10 +365,10 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     else:
         check_format_cache(kvcache, fmt, page_size)
     freq = freq_rows(freq_cis)
-    keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
+    keep, positions, locs = stored_rows(None, plan, out_loc, norm_weight, freq, is_decode=is_decode,
+                                        compress_ratio=compress_ratio)
     _check_positions(positions, freq)
     page_slot(kvcache, locs, page_size)
-    finite_values(None, keep, positions, norm_weight, freq)
     v4_format = fmt if layout is KVLayout.V4 and not fp8_2buff else None
     return StoreRows(v4_format, layout, fp8_2buff, keep, positions, locs, freq)
 
@@ -381,6 +381,15 @@ def v41_values(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, fre
         return x.to(kv.dtype).to(torch.float32)
 
     return round_to_kv(apply_rope(round_to_kv(rms_norm(kv, norm_weight, norm_eps)), freq, positions))
+
+
+def stored_rows(kv: torch.Tensor | None, plan: torch.Tensor, out_loc: torch.Tensor, norm_weight: torch.Tensor,
+                freq: torch.Tensor, *, is_decode: bool, compress_ratio: int):
+    """`select_rows` (no two of them name one location), then `finite_values` of what those rows read:
+    the checks of the rows a store step writes, before it writes any."""
+    keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
+    finite_values(kv, keep, positions, norm_weight, freq)
+    return keep, positions, locs
 
 
 def finite_values(kv: torch.Tensor | None, keep: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
