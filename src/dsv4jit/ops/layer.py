@@ -70,12 +70,12 @@ def compress_and_store_c4_layer(kv_score_buffer: torch.Tensor, kv_score_input: t
                           indexer_out_loc, indexer_kvcache, indexer_page_size, plan, freq_cis, norm_eps)
         except (KeyError, AttributeError, TypeError, ValueError):
             pass  # a new signature, or an error the full path explains
-    return _layer(dict(  # not locals(): torch.compile traces this call
+    return _layer(plan, dict(  # not locals(): torch.compile traces this call
         kv_score_buffer=kv_score_buffer, kv_score_input=kv_score_input, ape=ape, norm_weight=norm_weight,
         out_loc=out_loc, kvcache=kvcache, page_size=page_size, indexer_kv_score_buffer=indexer_kv_score_buffer,
         indexer_kv_score_input=indexer_kv_score_input, indexer_ape=indexer_ape,
         indexer_norm_weight=indexer_norm_weight, indexer_out_loc=indexer_out_loc, indexer_kvcache=indexer_kvcache,
-        indexer_page_size=indexer_page_size, plan=plan, freq_cis=freq_cis, norm_eps=norm_eps, use_fp4=use_fp4,
+        indexer_page_size=indexer_page_size, freq_cis=freq_cis, norm_eps=norm_eps, use_fp4=use_fp4,
         bf16_store=bf16_store, layout=layout, fp8_2buff=fp8_2buff, kvcache_rope=kvcache_rope))
 
 
@@ -85,11 +85,11 @@ def _fast_key(plan, use_fp4: bool, bf16_store: bool, layout, fp8_2buff: bool, bu
     return plan.__class__, use_fp4, bf16_store, layout, fp8_2buff, buffer.dtype, inputs.dtype, inputs.device
 
 
-def _layer(g: dict) -> None:
-    """The full path (`g`: the call's arguments by name): every check, then the custom op (the kernel,
-    or on the CPU the two steps' references); remembers the call's launcher for the fast path."""
+def _layer(plan, g: dict) -> None:
+    """The full path (`g`: the call's other arguments by name): every check, then the custom op (the
+    kernel, or on the CPU the two steps' references); remembers the call's launcher for the fast path."""
     op = _OP
-    plan = as_plan(op, g["plan"])
+    plan = as_plan(op, plan)
     for name in ("page_size", "indexer_page_size"):
         arguments.integer(op, name, g[name])
     for name in ("use_fp4", "bf16_store", "fp8_2buff"):

@@ -14,7 +14,7 @@ import torch
 from ..errors import ArgumentError
 from ..geometry import ROPE_DIM, V4_HEAD_DIM, V4_NOPE_DIM, V4_TILE
 from ..kv_layout import KVLayout
-from .paging import as_rows, check_cache, gather, page_slot, scatter
+from .paging import as_rows, check_cache, check_format_cache, gather, page_slot, scatter
 from .quant import (E4M3_MAX, UE8M0_BIAS, bf16_round, e4m3_decode, e4m3_encode, floored, ldexp, ue8m0_exponent,
                     ue8m0_scale)
 from .quant_v41 import ROW_CODECS
@@ -153,3 +153,19 @@ def read_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, page_
     rope_rows = page * page_size + slot
     rope = gather(kvcache_rope, rope_rows, torch.zeros_like(rope_rows), TWO_POOL_ROPE_BYTES)
     return torch.cat([decode_v4_nope(codes, e), from_bf16_bytes(rope)], dim=1)
+
+
+# ------------------------------------------------------------------------------ a store's cache
+
+def check_store_cache(kvcache: torch.Tensor, kvcache_rope: torch.Tensor | None, page_size: int, layout: KVLayout,
+                      fp8_2buff: bool, fmt: str, locs: torch.Tensor) -> None:
+    """Raise unless the cache a store writes has the pages it stores into (the two pools of
+    ``fp8_2buff``, a V4.1 layout's pages, else those of the V4 format ``fmt``) and holds each of
+    the stored rows' locations ``locs``."""
+    if fp8_2buff:
+        check_two_pool(kvcache, kvcache_rope, page_size)
+    elif layout is not KVLayout.V4:
+        check_layout_cache(kvcache, page_size, layout)
+    else:
+        check_format_cache(kvcache, fmt, page_size)
+    page_slot(kvcache, locs, page_size)

@@ -42,13 +42,12 @@ from ..geometry import (
     V4_HEAD_DIM,
     check_page_size,
     check_ratio,
-    page_bytes,
     store_format,
 )
 from ..kv_layout import KVLayout
 from ..plan_layout import decode_compress_plan, decode_decode_plan
-from .layouts import check_layout_cache, check_two_pool, read_v4, write_layout, write_v4, write_v4_2buff
-from .paging import as_rows, check_cache, gather, page_slot, scatter
+from .layouts import check_store_cache, read_v4, write_layout, write_v4, write_v4_2buff
+from .paging import as_rows, check_format_cache, gather, page_slot, scatter
 from .quant import (
     E4M3_MAX,
     FP4_MAX,
@@ -66,11 +65,6 @@ from .quant import (
 
 
 # ------------------------------------------------------------------------------------ geometry
-
-def check_format_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
-    """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of format ``fmt``."""
-    check_cache(kvcache, page_bytes(fmt, page_size), f"page_bytes({fmt!r}, {page_size})")
-
 
 def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: int):
     """(page, slot) of each location, after checking the cache's format and the locations' bounds."""
@@ -262,8 +256,8 @@ def select_rows(plan: torch.Tensor, out_loc: torch.Tensor, *, is_decode: bool, c
     """
     out_loc = out_loc.detach().cpu().to(torch.int64)
     if is_decode:
+        check_out_loc(out_loc, plan.shape[0], is_decode=True)
         rows = decode_decode_plan(plan)
-        check_out_loc(out_loc, rows.seq_len.numel(), is_decode=True)
         keep = torch.nonzero(rows.seq_len % compress_ratio == 0).flatten()
         loc_index = keep
     else:
@@ -358,17 +352,11 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     if norm_weight.shape != (head_dim,):
         raise ArgumentError(f"norm_weight must be [{head_dim}], got {list(norm_weight.shape)}")
     check_page_size(page_size)
-    if fp8_2buff:
-        check_two_pool(kvcache, kvcache_rope, page_size)
-    elif layout is not KVLayout.V4:
-        check_layout_cache(kvcache, page_size, layout)
-    else:
-        check_format_cache(kvcache, fmt, page_size)
     freq = freq_rows(freq_cis)
     keep, positions, locs = stored_rows(None, plan, out_loc, norm_weight, freq, is_decode=is_decode,
                                         compress_ratio=compress_ratio)
     _check_positions(positions, freq)
-    page_slot(kvcache, locs, page_size)
+    check_store_cache(kvcache, kvcache_rope, page_size, layout, fp8_2buff, fmt, locs)
     v4_format = fmt if layout is KVLayout.V4 and not fp8_2buff else None
     return StoreRows(v4_format, layout, fp8_2buff, keep, positions, locs, freq)
 
