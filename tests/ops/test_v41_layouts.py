@@ -131,6 +131,31 @@ def test_v41_codes_equal_the_reference_rules_on_every_fp32(device):
                                       f"{start + int(bad[0]):#010x}: {int(out[bad[0], col])} != {int(want[bad[0]])}")
 
 
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_fp4_quotients_by_a_tile_scale_are_ieee_divisions(device):
+    """The fp4 codecs divide by a tile scale without a division (a reciprocal product corrected by one
+    remainder step: short_quotients). For every positive e4m3 divisor (2^-9 to 448, 6 among them) the
+    quotients equal __fdiv_rn's bit for bit: on every fp32 significand of x, both signs (in the range
+    the products take, scaling x by 2^k scales every step exactly), on the binades at the range's
+    bounds 2^-60 and 2^60, and on 2^24 random bit patterns (zeros, subnormals, inf, NaN); and the
+    branch-free reciprocals equal __frcp_rn on all 126."""
+    dev = torch.device(device, torch.cuda.current_device())
+    quotients = runtime.function("store_probes", "short_quotients", dev)
+    binade = 1 << 23
+    starts = [0x3F800000, 0xBF800000, 0x21000000, 0x21800000, 0x5D000000, 0x5D800000]  # [1, 2), 2^-61.., 2^59..
+    random = torch.randint(-(1 << 31), 1 << 31, (1 << 24,), generator=torch.Generator().manual_seed(5))
+    specials = torch.tensor([0, 1 << 31, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF], dtype=torch.int64)
+    chunks = [torch.arange(start, start + binade, dtype=torch.int64) for start in starts] + [random, specials]
+    for bits in chunks:
+        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).to(dev).view(torch.float32)
+        out = torch.full((x.numel(), 3), -2, dtype=torch.int32, device=dev)
+        quotients(x, out)
+        bad = (out[:, 0] != 0).nonzero()
+        assert bad.numel() == 0, (f"{bad.numel()} values from {int(bits[0]):#010x} on have quotients other than "
+                                  f"__fdiv_rn's, first x = {float(x[bad[0]])} by e4m3 code {int(out[bad[0], 1])}")
+        assert int(out[:, 2].max()) == 0, "an e4m3 reciprocal differs from __frcp_rn"
+
+
 def test_the_public_names_are_sglangs():
     assert dsv4jit.KVLayout.parse("V41_fp4") is dsv4jit.KVLayout.V41_FP4
     assert dsv4jit.is_valid_kv_layout_pair("v41", "v41_fp4") and not dsv4jit.is_valid_kv_layout_pair("v41", "v41_fp4_new")

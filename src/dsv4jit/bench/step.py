@@ -129,7 +129,7 @@ class Layer:
 
     def __init__(self, ratio: int, model: Model, batch: Batch, seed: int):
         self.ratio, self.batch, self.seed = ratio, batch, seed
-        dev, n = batch.device, batch.num_tokens
+        dev = batch.device
         angles = _randn((max(batch.lens) + 1, 32), seed, "cpu")
         self.freq = torch.polar(torch.ones_like(angles), angles).to(dev)
         if ratio in (4, 128):

@@ -94,8 +94,9 @@ STORE_PROBES = KernelSpec(
     header="store/probes.cuh",
     params=(),
     exports={"fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents",
-             "v41_codes": "dsv4::store::v41_codes"},
-    doc="test-only probes of the store's fp4 codecs, UE8M0 exponents and V4.1 codes over any fp32 inputs",
+             "v41_codes": "dsv4::store::v41_codes", "short_quotients": "dsv4::store::short_quotients"},
+    doc="test-only probes of the store's fp4 codecs, UE8M0 exponents, V4.1 codes and quotients by a tile "
+        "scale over any fp32 inputs",
 )
 
 

@@ -18,8 +18,11 @@ __global__ __launch_bounds__(kThreads) void c1_kernel(const __grid_constant__ Pa
   Dims w;
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
-  const int64_t position = entry(p.positions, p.pos64, row), loc = entry(p.locs, p.loc64, row);
   const Vec<bf16_t, 4> kv = load_vec<4>(static_cast<const bf16_t*>(p.kv) + uint64_t{row} * kHeadDim + t.dim);
+  // An ordering point (no instruction): without it the compiler issues kv after the test of the
+  // position that guards the rope row, so kv waited a round trip for the position
+  __syncwarp();
+  const int64_t position = entry(p.positions, p.pos64, row), loc = entry(p.locs, p.loc64, row);
   const Vec<float, 4> rope = load_rope(p, t, position);
   pdl_launch_dependents<kPDL>();
   Dims x;

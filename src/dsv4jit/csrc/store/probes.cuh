@@ -1,7 +1,8 @@
 // Test-only probes of the store's codecs (the store_probes module, outside the serving set): the
-// e2m1 codes of both fp4 codecs, the division-free UE8M0 exponents and the DeepSeek-V4.1 codes (e2m1
-// with ties to even, the tile exponent and the two fp4 tile scales), over any fp32 inputs, for
-// checking them against the reference rules on every bit pattern.
+// e2m1 codes of both fp4 codecs, the division-free UE8M0 exponents, the DeepSeek-V4.1 codes (e2m1
+// with ties to even, the tile exponent and the two fp4 tile scales) and the fp4 codecs' quotients
+// by a tile scale, over any fp32 inputs, for checking them against the reference rules on every bit
+// pattern.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -71,6 +72,33 @@ struct V41CodesProbe {
     out[3] = static_cast<int32_t>(fp4_fake_quant_scale_code(amax));
   }
 };
+
+/// The fp4 codecs' quotients by a tile scale against __fdiv_rn, bit for bit, for every positive e4m3
+/// value d (codes 1 to 126: 2^-9 to 448, 6 among them): how many of short_quotients' quotients of x by
+/// the 126 differ, and the first such code (-1: none); plus, for every x, whether each e4m3_reciprocal
+/// equals __frcp_rn (a count, the same in every row).
+struct ShortQuotientsProbe {
+  static constexpr int kOutputs = 3;
+  static DSV4_DEV void apply(float x, int32_t* out) {
+    int32_t differ = 0, first = -1, reciprocals = 0;
+    for (uint32_t code = 1; code <= 126; ++code) {
+      const float d = e4m3_value(code);
+      const float xs[4] = {x, x, x, x};
+      float q[4];
+      short_quotients(q, xs, d);
+      if (__float_as_uint(q[0]) != __float_as_uint(__fdiv_rn(x, d)) && differ++ == 0) first = static_cast<int32_t>(code);
+      reciprocals += __float_as_uint(e4m3_reciprocal(d)) != __float_as_uint(__frcp_rn(d));
+    }
+    out[0] = differ;
+    out[1] = first;
+    out[2] = reciprocals;
+  }
+};
+
+/// x fp32 [n] -> out int32 [n, 3]: ShortQuotientsProbe.
+inline void short_quotients(TensorView x, TensorView out) {
+  run_probe<ShortQuotientsProbe, int32_t>("store_probes.short_quotients", "x", x, out);
+}
 
 /// x fp32 [n] -> out int32 [n, 4]: V41CodesProbe.
 inline void v41_codes(TensorView x, TensorView out) {

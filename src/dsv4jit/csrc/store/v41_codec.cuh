@@ -26,10 +26,12 @@ struct V41Codes {
   uint32_t scale;
 };
 
-/// The e2m1 codes of a lane's 4 dims divided by the tile scale `s` (two bytes, even dims low).
+/// The e2m1 codes of a lane's 4 dims divided by the tile scale `s`, an e4m3 value (two bytes, even
+/// dims low).
 DSV4_DEV uint32_t e2m1_codes_over(const float (&x)[4], float s) {
-  return e2m1_rn_pair(__fdiv_rn(x[0], s), __fdiv_rn(x[1], s)) |
-         e2m1_rn_pair(__fdiv_rn(x[2], s), __fdiv_rn(x[3], s)) << 8;
+  float q[4];
+  short_quotients(q, x, s);
+  return e2m1_rn_pair(q[0], q[1]) | e2m1_rn_pair(q[2], q[3]) << 8;
 }
 
 template <Format F>
@@ -87,8 +89,10 @@ DSV4_DEV uint32_t e2m1_rn(float u) { return e2m1_rn_pair(u, 0.0f) & 0xFu; }
 /// (the + 0 turns an exact -0 quotient into +0; a tiny negative one still gives -0).
 DSV4_DEV void fp4_fake_quant(float (&x)[4]) {
   const float s = e4m3_value(fp4_fake_quant_scale_code(reduce_amax(amax4(x), 4)));
+  float q[4];
+  short_quotients(q, x, s);
 #pragma unroll
-  for (int c = 0; c < 4; ++c) x[c] = __fmul_rn(e2m1_value(e2m1_rn(__fadd_rn(__fdiv_rn(x[c], s), 0.0f))), s);
+  for (int c = 0; c < 4; ++c) x[c] = __fmul_rn(e2m1_value(e2m1_rn(__fadd_rn(q[c], 0.0f))), s);
 }
 
 }  // namespace dsv4::store
