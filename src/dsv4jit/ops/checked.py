@@ -11,6 +11,8 @@ state row's score is -inf by design, as a masked window slot's.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .. import arguments
@@ -22,16 +24,20 @@ from ..reference import online as ref_online
 from ..reference import store as ref_store
 
 
-def _reworded(op: str, names, check) -> None:
+@contextmanager
+def _named(op: str, names):
+    """A ValueError of the checks inside, in `op`'s words (naming the argument among `names`)."""
     try:
-        check()
+        yield
     except ValueError as e:
         raise arguments.reworded(op, e, names) from None
 
 
 def inputs(op: str, **named: torch.Tensor) -> None:
     """ValueError naming the first of `named`, tensors a call uses whole, that is not finite."""
-    _reworded(op, named, lambda: [arguments.finite(name, t) for name, t in named.items()])
+    with _named(op, named):
+        for name, t in named.items():
+            arguments.finite(name, t)
 
 
 def compressor(op: str, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,
@@ -44,14 +50,16 @@ def compressor(op: str, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_ro
         used = ref_online.prefill_use(plan_rows, plan_w, kv_score_input.shape)
     else:
         used = ref_compress.prefill_use(plan_rows, plan_w, kv_score_input.shape, head_dim, compress_ratio)
-    _reworded(op, ("kv_score_input", "ape"), lambda: ref_compress.check_finite(kv_score_input, ape, used))
+    with _named(op, ("kv_score_input", "ape")):
+        ref_compress.check_finite(kv_score_input, ape, used)
 
 
 def compat_prefill(op: str, kv_score_input: torch.Tensor, ape: torch.Tensor, compress_plan: torch.Tensor,
                    write_plan: torch.Tensor, head_dim: int) -> None:
     """`compressor` for the older c4 interface's prefill plans."""
     used = ref_compat.prefill_use(compress_plan, write_plan, kv_score_input.shape, head_dim)
-    _reworded(op, ("kv_score_input", "ape"), lambda: ref_compress.check_finite(kv_score_input, ape, used))
+    with _named(op, ("kv_score_input", "ape")):
+        ref_compress.check_finite(kv_score_input, ape, used)
 
 
 def store(op: str, kv: torch.Tensor | None, plan_rows: torch.Tensor, norm_weight: torch.Tensor, freq: torch.Tensor,
@@ -59,8 +67,9 @@ def store(op: str, kv: torch.Tensor | None, plan_rows: torch.Tensor, norm_weight
     """The store step's rows (reference/store.py, `stored_rows`): no two stored rows name one cache
     location, and their values are finite: kv's stored rows (None: a fused op's own rows), the norm
     weight, the rope table at the stored positions."""
-    _reworded(op, ("out_loc", "kv", "norm_weight", "freq_cis"), lambda: ref_store.stored_rows(
-        kv, plan_rows, out_loc, norm_weight, freq, is_decode=is_decode, compress_ratio=compress_ratio))
+    with _named(op, ("out_loc", "kv", "norm_weight", "freq_cis")):
+        ref_store.stored_rows(kv, plan_rows, out_loc, norm_weight, freq, is_decode=is_decode,
+                              compress_ratio=compress_ratio)
 
 
 def fused(op: str, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_rows: torch.Tensor,

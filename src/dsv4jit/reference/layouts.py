@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError
-from ..geometry import ROPE_DIM, V4_HEAD_DIM, V4_NOPE_DIM, V4_TILE
+from ..geometry import ROPE_DIM, V4_HEAD_DIM, V4_NOPE_DIM, V4_TILE, page_bytes
 from ..kv_layout import KVLayout
-from .paging import as_rows, check_cache, check_format_cache, gather, page_slot, scatter
+from .paging import as_rows, check_cache, gather, page_slot, scatter
 from .quant import (E4M3_MAX, UE8M0_BIAS, bf16_round, e4m3_decode, e4m3_encode, floored, ldexp, ue8m0_exponent,
                     ue8m0_scale)
 from .quant_v41 import ROW_CODECS
@@ -70,9 +70,27 @@ _ROW_CODECS = {KVLayout.V4: (encode_v4_rows, decode_v4_rows), **ROW_CODECS}
 
 # -------------------------------------------------------------------------------- every layout
 
+def page_width(page_size: int, layout: KVLayout = KVLayout.V4, fmt: str = "v4_fp8",
+               fp8_2buff: bool = False) -> tuple[int, str]:
+    """The bytes of a cache row a store writes and how they come about, for messages: a page of
+    ``fp8_2buff``'s fp8 pool, a V4.1 layout's page, else a page of the V4 format ``fmt``."""
+    if fp8_2buff:
+        return TWO_POOL_ROW_BYTES * page_size, f"512 * page_size ({page_size}) (fp8_2buff)"
+    if layout is not KVLayout.V4:
+        return layout.page_bytes(page_size), f"page_bytes({layout.value!r}, {page_size})"
+    return page_bytes(fmt, page_size), f"page_bytes({fmt!r}, {page_size})"
+
+
 def check_layout_cache(kvcache: torch.Tensor, page_size: int, layout: KVLayout, name: str = "kvcache") -> None:
     """Raise unless ``kvcache`` is 2-D uint8 with rows of ``layout.page_bytes(page_size)`` bytes."""
-    check_cache(kvcache, layout.page_bytes(page_size), f"page_bytes({layout.value!r}, {page_size})", name)
+    width, formula = page_width(page_size, layout)
+    check_cache(kvcache, width, formula, name)
+
+
+def check_format_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
+    """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of the V4 format ``fmt``."""
+    width, formula = page_width(page_size, fmt=fmt)
+    check_cache(kvcache, width, formula)
 
 
 def token_addresses(kvcache: torch.Tensor, locs, page_size: int, layout: KVLayout, name: str = "out_loc"):
@@ -116,16 +134,6 @@ def read_v4(kvcache: torch.Tensor, locs, page_size: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ V4 two-pool store
 
-def check_two_pool(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, page_size: int) -> None:
-    """The two pools of ``fp8_2buff``: ``kvcache`` u8 ``[pages, 512·page_size]`` and ``kvcache_rope`` u8
-    ``[pages·page_size, 128]``."""
-    check_cache(kvcache, TWO_POOL_ROW_BYTES * page_size, f"512 * page_size ({page_size}) (fp8_2buff)")
-    check_cache(kvcache_rope, TWO_POOL_ROPE_BYTES, "2 * 64 (the bf16 rope dims of a token)", "kvcache_rope")
-    if kvcache_rope.shape[0] != kvcache.shape[0] * page_size:
-        raise ArgumentError(f"kvcache_rope must have one row per slot of kvcache ({kvcache.shape[0]} pages of "
-                            f"{page_size} = {kvcache.shape[0] * page_size}), got {kvcache_rope.shape[0]} rows")
-
-
 def write_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, values: torch.Tensor,
                    page_size: int) -> None:
     """Store rows ``values [n, 512]`` in the V4 two-pool store (``fp8_2buff``): token ``loc``'s 512-byte
@@ -133,8 +141,7 @@ def write_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, valu
     written twice (bytes ``448 + 2t`` and ``449 + 2t``; bytes 462-511 are never written); row ``loc`` of
     ``kvcache_rope`` holds the 64 rope dims as bf16."""
     values = as_rows(values, V4_HEAD_DIM)
-    check_two_pool(kvcache, kvcache_rope, page_size)
-    page, slot = page_slot(kvcache, locs, page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fp8_2buff=True, kvcache_rope=kvcache_rope)
     codes, e = v4_nope_codes(values)
     row_at = slot * TWO_POOL_ROW_BYTES
     scatter(kvcache, page, row_at, codes)
@@ -145,8 +152,7 @@ def write_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, valu
 
 def read_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, page_size: int) -> torch.Tensor:
     """Dequantized fp32 ``[n, 512]`` rows of the V4 two-pool store (the first copy of each exponent)."""
-    check_two_pool(kvcache, kvcache_rope, page_size)
-    page, slot = page_slot(kvcache, locs, page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fp8_2buff=True, kvcache_rope=kvcache_rope)
     row_at = slot * TWO_POOL_ROW_BYTES
     codes = gather(kvcache, page, row_at, V4_NOPE_DIM)
     e = gather(kvcache, page, row_at + V4_NOPE_DIM, 2 * V4_EXPONENTS)[:, 0::2]
@@ -157,15 +163,17 @@ def read_v4_2buff(kvcache: torch.Tensor, kvcache_rope: torch.Tensor, locs, page_
 
 # ------------------------------------------------------------------------------ a store's cache
 
-def check_store_cache(kvcache: torch.Tensor, kvcache_rope: torch.Tensor | None, page_size: int, layout: KVLayout,
-                      fp8_2buff: bool, fmt: str, locs: torch.Tensor) -> None:
-    """Raise unless the cache a store writes has the pages it stores into (the two pools of
-    ``fp8_2buff``, a V4.1 layout's pages, else those of the V4 format ``fmt``) and holds each of
-    the stored rows' locations ``locs``."""
+def store_slots(kvcache: torch.Tensor, locs, page_size: int, *, layout: KVLayout = KVLayout.V4,
+                fmt: str = "v4_fp8", fp8_2buff: bool = False, kvcache_rope: torch.Tensor | None = None):
+    """(page, slot) of each location of ``locs`` a store writes, after checking that the cache has
+    the pages it stores into (a V4.1 layout's pages, else those of the V4 format ``fmt``; with
+    ``fp8_2buff`` the two pools: ``kvcache`` u8 ``[pages, 512·page_size]`` and ``kvcache_rope`` u8
+    ``[pages·page_size, 128]``) and holds each location."""
+    width, formula = page_width(page_size, layout, fmt, fp8_2buff)
+    check_cache(kvcache, width, formula)
     if fp8_2buff:
-        check_two_pool(kvcache, kvcache_rope, page_size)
-    elif layout is not KVLayout.V4:
-        check_layout_cache(kvcache, page_size, layout)
-    else:
-        check_format_cache(kvcache, fmt, page_size)
-    page_slot(kvcache, locs, page_size)
+        check_cache(kvcache_rope, TWO_POOL_ROPE_BYTES, "2 * 64 (the bf16 rope dims of a token)", "kvcache_rope")
+        if kvcache_rope.shape[0] != kvcache.shape[0] * page_size:
+            raise ArgumentError(f"kvcache_rope must have one row per slot of kvcache ({kvcache.shape[0]} pages of "
+                                f"{page_size} = {kvcache.shape[0] * page_size}), got {kvcache_rope.shape[0]} rows")
+    return page_slot(kvcache, locs, page_size)

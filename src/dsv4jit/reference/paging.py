@@ -13,7 +13,6 @@ import torch
 
 from ..arguments import contiguous
 from ..errors import ArgumentError, ArgumentTypeError
-from ..geometry import page_bytes
 
 
 def check_cache(kvcache: torch.Tensor, width: int, formula: str, name: str = "kvcache") -> None:
@@ -24,11 +23,6 @@ def check_cache(kvcache: torch.Tensor, width: int, formula: str, name: str = "kv
     if kvcache.shape[1] != width:
         raise ArgumentError(f"{name} rows must be {formula} = {width} bytes, got {kvcache.shape[1]}")
     contiguous(name, kvcache)  # one rule on the CPU and the GPU (the kernels take contiguous pages)
-
-
-def check_format_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
-    """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of format ``fmt``."""
-    check_cache(kvcache, page_bytes(fmt, page_size), f"page_bytes({fmt!r}, {page_size})")
 
 
 def page_slot(kvcache: torch.Tensor, locs, page_size: int, name: str = "out_loc"):

@@ -46,8 +46,8 @@ from ..geometry import (
 )
 from ..kv_layout import KVLayout
 from ..plan_layout import decode_compress_plan, decode_decode_plan
-from .layouts import check_store_cache, read_v4, write_layout, write_v4, write_v4_2buff
-from .paging import as_rows, check_format_cache, gather, page_slot, scatter
+from .layouts import check_format_cache, read_v4, store_slots, write_layout, write_v4, write_v4_2buff
+from .paging import as_rows, gather, page_slot, scatter
 from .quant import (
     E4M3_MAX,
     FP4_MAX,
@@ -356,7 +356,7 @@ def checked_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, comp
     keep, positions, locs = stored_rows(None, plan, out_loc, norm_weight, freq, is_decode=is_decode,
                                         compress_ratio=compress_ratio)
     _check_positions(positions, freq)
-    check_store_cache(kvcache, kvcache_rope, page_size, layout, fp8_2buff, fmt, locs)
+    store_slots(kvcache, locs, page_size, layout=layout, fmt=fmt, fp8_2buff=fp8_2buff, kvcache_rope=kvcache_rope)
     v4_format = fmt if layout is KVLayout.V4 and not fp8_2buff else None
     return StoreRows(v4_format, layout, fp8_2buff, keep, positions, locs, freq)
 
@@ -373,25 +373,20 @@ def v41_values(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, fre
 
 def stored_rows(kv: torch.Tensor | None, plan: torch.Tensor, out_loc: torch.Tensor, norm_weight: torch.Tensor,
                 freq: torch.Tensor, *, is_decode: bool, compress_ratio: int):
-    """`select_rows` (no two of them name one location), then `finite_values` of what those rows read:
-    the checks of the rows a store step writes, before it writes any."""
+    """The checks of the rows a store step writes, before it writes any: `select_rows` (no two of them
+    name one location), then a ValueError naming what those rows read that is not finite: a stored
+    row of kv (`keep`; kv None: rows a fused op computes), the norm weight, or the rope table
+    (`freq`, either form) at a stored position. Rows that are not stored (invalid plan rows) may
+    hold anything."""
     keep, positions, locs = select_rows(plan, out_loc, is_decode=is_decode, compress_ratio=compress_ratio)
-    finite_values(kv, keep, positions, norm_weight, freq)
-    return keep, positions, locs
-
-
-def finite_values(kv: torch.Tensor | None, keep: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
-                  freq: torch.Tensor) -> None:
-    """ValueError naming what the store would read that is not finite: a stored row of kv (`keep`;
-    kv None: rows a fused op computes), the norm weight, or the rope table (`freq`, either form) at
-    a stored position. Rows that are not stored (invalid plan rows) may hold anything."""
     if kv is not None:
         finite("kv", kv.detach()[keep.to(kv.device)], rows=keep)
     finite("norm_weight", norm_weight)
     # a position outside the table is the range checks' to name (on the GPU, the kernel's status word):
     # gathering it would index out of bounds
-    positions = positions[(positions >= 0) & (positions < freq.shape[0])]
-    finite("freq_cis", freq[positions.to(freq.device)], rows=positions)
+    in_table = positions[(positions >= 0) & (positions < freq.shape[0])]
+    finite("freq_cis", freq[in_table.to(freq.device)], rows=in_table)
+    return keep, positions, locs
 
 
 def compress_norm_rope_store(kv: torch.Tensor, plan: torch.Tensor, *, is_decode: bool, compress_ratio: int,
