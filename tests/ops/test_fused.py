@@ -164,9 +164,9 @@ def test_fused_c128_calls_of_many_rows(device):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
-@pytest.mark.parametrize("n", [200, 600])
+@pytest.mark.parametrize("n", [120, 600])
 def test_fused_c128_decode_batch_of_many_requests(device, n):
-    """Ring c128 decode batches of several waves of a block per unit (200 requests) and of the resident
+    """Ring c128 decode batches of several waves of a block per unit (120 requests) and of the resident
     blocks ranking more rows than one chunk (600 > 512): a third of the requests at a boundary, then
     none, then all of them."""
     tw = Twin(device, C128_128, "v4_fp8", num_reqs=n, seed=13, num_locs=128 * 1024)

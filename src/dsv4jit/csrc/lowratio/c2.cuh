@@ -72,7 +72,7 @@ DSV4_DEV int64_t ring_row(const Params& p, int64_t rid, int64_t position) {
     report(p, kPositionOutOfRange);
     return -1;
   }
-  const int64_t r = rid * p.ring_size + position % p.ring_size;
+  const int64_t r = rid * p.ring_size + ring_slot(position, p.ring_size);
   if (rid < 0 || r >= p.ring_rows) {
     report(p, kRingRowOutOfRange);
     return -1;

@@ -18,6 +18,7 @@
 #include "common/types.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
+#include "params.cuh"
 
 namespace dsv4::lowratio {
 
@@ -56,10 +57,6 @@ inline tvm::ffi::String describe_pool_status(int64_t word) {
                              "state_kv"}});
 }
 
-DSV4_DEV int64_t pool_entry(const void* values, bool wide, uint64_t i) {
-  return wide ? static_cast<const int64_t*>(values)[i] : static_cast<const int32_t*>(values)[i];
-}
-
 DSV4_DEV float exp_rounded(float x) { return static_cast<float>(exp(static_cast<double>(x))); }
 
 template <bool kPDL>
@@ -68,7 +65,7 @@ __global__ __launch_bounds__(kPoolThreads) void c2_pool_kernel(const __grid_cons
   const uint32_t row = blockIdx.x;
   pdl_wait_upstream<kPDL>();
   const int64_t position = p.positions[row], rid = p.req[row];
-  const int64_t raw = pool_entry(p.raw_out_loc, p.raw64, row), loc = pool_entry(p.out_loc, p.loc64, row);
+  const int64_t raw = entry(p.raw_out_loc, p.raw64, row), loc = entry(p.out_loc, p.loc64, row);
   const Vec<float, 4> kv = load_vec<4>(p.kv + uint64_t{row} * kPoolDim + c0);
   const Vec<float, 4> sc = load_vec<4>(p.score + uint64_t{row} * kPoolDim + c0);
   const bool odd = position % 2 != 0;
@@ -82,9 +79,9 @@ __global__ __launch_bounds__(kPoolThreads) void c2_pool_kernel(const __grid_cons
     }
   }
   const int64_t r = p.ring_size > 0 ? (raw == 0 || position == 0 ? p.pad_row
-                                                                  : rid * p.ring_size + (position - 1) % p.ring_size)
+                                                                  : rid * p.ring_size + ring_slot(position - 1, p.ring_size))
                                     : (raw == 0 ? p.pad_row : rid);
-  const int64_t w = p.ring_size > 0 ? (raw == 0 ? -1 : rid * p.ring_size + position % p.ring_size) : r;
+  const int64_t w = p.ring_size > 0 ? (raw == 0 ? -1 : rid * p.ring_size + ring_slot(position, p.ring_size)) : r;
   if (r < 0 || r >= p.state_rows || w >= p.state_rows || (p.ring_size > 0 && raw != 0 && w < 0)) {
     if (p.status != nullptr && threadIdx.x == 0) atomicOr(p.status, kStateRowOutOfRange);
     return;

@@ -54,6 +54,13 @@ DSV4_DEV int64_t entry(const void* values, bool wide, uint64_t i) {
   return wide ? static_cast<const int64_t*>(values)[i] : static_cast<const int32_t*>(values)[i];
 }
 
+/// position mod ring_size (C++'s remainder): a mask where ring_size is a power of two and position is
+/// not negative (every serving ring), not a 64-bit division on the chain to the ring row's load.
+DSV4_DEV int64_t ring_slot(int64_t position, int32_t ring_size) {
+  if ((ring_size & (ring_size - 1)) == 0 && position >= 0) return position & (ring_size - 1);
+  return position % ring_size;
+}
+
 /// Reports a row's violation (a block holds the row: its first thread reports).
 DSV4_DEV void report(const Params& p, int32_t bit) {
   if (p.s.status != nullptr && threadIdx.x == 0) atomicOr(p.s.status, bit);
