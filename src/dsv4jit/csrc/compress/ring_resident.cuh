@@ -51,22 +51,20 @@ struct ResidentDecode {
   }
 
   /// Every row's token into its ring row (and, for compress_forward, a zero output row for each
-  /// row without pool units): items (row, part), kTokensInFlight consecutive ones to a warp, loaded
+  /// row without pool units): items (row, part) over every warp of the grid, kTokensInFlight loaded
   /// at once (no branch between the loads: a warp past the last item loads row 0, stores nothing).
-  /// Warps take items from the grid's last block down: the pool units go to the first blocks, which
-  /// so start pooling without a token round trip wherever the tokens fit the other blocks.
   template <typename Sink>
   static DSV4_DEV void store_tokens(const Params& p, Sink& sink) {
     const uint64_t items = uint64_t{p.num_rows} * kTokenParts, warps = uint64_t{gridDim.x} * W::kWarpsPerUnit;
-    const uint64_t warp = uint64_t{gridDim.x - 1 - blockIdx.x} * W::kWarpsPerUnit + threadIdx.x / kWarpSize;
     const auto* plans = static_cast<const DecodePlan*>(p.plan);
     const auto* input = static_cast<const InT*>(p.input);
-    for (uint64_t first = warp * kTokensInFlight; first < items; first += kTokensInFlight * warps) {
+    for (uint64_t first = uint64_t{blockIdx.x} * W::kWarpsPerUnit + threadIdx.x / kWarpSize; first < items;
+         first += kTokensInFlight * warps) {
       DecodePlan plan[kTokensInFlight];
       Vec<InT, C> token[kTokensInFlight];
 #pragma unroll
       for (int i = 0; i < kTokensInFlight; ++i) {
-        const uint64_t item = first + i < items ? first + i : 0;
+        const uint64_t item = first + i * warps < items ? first + i * warps : 0;
         const uint64_t row = item / kTokenParts;
         const int part = static_cast<int>(item % kTokenParts);
         plan[i] = load_row(plans, row);
@@ -75,7 +73,7 @@ struct ResidentDecode {
       }
 #pragma unroll
       for (int i = 0; i < kTokensInFlight; ++i) {
-        const uint64_t item = first + i;
+        const uint64_t item = first + i * warps;
         const uint32_t row = static_cast<uint32_t>(item / kTokenParts);
         const int part = static_cast<int>(item % kTokenParts), group = part / W::kSlices;
         const int channel = Lane::first_channel(part % W::kSlices);
