@@ -132,10 +132,10 @@ struct CompressEntry : CompressorEntryBase<CompressEntry<kRatio, kHeadDim, Buffe
   /// How a decode of `rows` rows launches: c128 rows that a block per unit would take more than
   /// kMaxDecodeWaves waves of blocks to cover run on the grid of resident blocks (ResidentDecode: at
   /// least its kMinDecodeGrid, at most a block per unit). Up to it the block-per-unit grid measured
-  /// faster (whole model steps of 64 and 128 requests, where a boundary row's chain sets a layer's
-  /// time); beyond it each wave of blocks costs a plan round trip (docs/design-notes.md). A
-  /// block-per-unit grid of more than one wave prefetches for the unit a wave ahead (ahead_rows: the
-  /// rows one wave covers).
+  /// faster (a whole model step of 128 requests, where a boundary row's chain sets a layer's time;
+  /// requests all at a boundary); beyond it each wave of blocks costs a plan round trip (256
+  /// requests: docs/design-notes.md). A block-per-unit grid of more than one wave prefetches for the
+  /// unit a wave ahead (ahead_rows: the rows one wave covers).
   static DecodeLaunch decode_launch(const char* op, DLDevice dev, uint64_t rows) {
     const uint64_t wave = static_cast<uint64_t>(multiprocessors(op, dev)) * K::kMinBlocks;
     if (W::kWarpsPerUnit > 1 && rows * W::kSlices > kMaxDecodeWaves * wave) {
