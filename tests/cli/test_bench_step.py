@@ -5,6 +5,7 @@ and every layer's cache is written. The timing needs a GPU (bench/timing.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -21,6 +22,7 @@ TWO_STEP_ONLY = types.SimpleNamespace(**{name: getattr(dsv4jit, name) for name i
 
 def test_the_models_layer_counts():
     assert sum(step.MODELS["pro"].layers.values()) == 61 and sum(step.MODELS["flash"].layers.values()) == 41
+    assert step.MODELS["pro-online"].layers == step.MODELS["pro"].layers and step.MODELS["pro-online"].online
     assert step.MODELS["v4.1"].layers == {4: 11, 128: 10, 1: 10, 2: 10}  # 43 layers, 2 without a compressor
 
 
@@ -29,8 +31,11 @@ def test_the_models_layer_counts():
                          ids=["decode", "prefill"])
 def test_a_step_writes_the_same_caches_through_either_path(model, shape):
     full = step.MODELS[model]
-    small = step.Model(full.name, {ratio: 1 for ratio in full.layers}, full.core, full.low)
+    small = dataclasses.replace(full, layers={ratio: 1 for ratio in full.layers})
     s = step.Step(small, shape, CPU)
+    # an online c128 layer keeps one (max, sum, average) row a request, which the ring ops reject
+    c128_states = [tuple(layer.parts[0]["state"].shape[1:]) for layer in s.layers if layer.ratio == 128]
+    assert c128_states == ([(1, 3 * 512)] if full.online else [(128, 2 * 512)])
     starts = [part["cache"].clone() for layer in s.layers for part in layer.parts]
     (ours, our_caches), (theirs, their_caches) = s.bind(dsv4jit), s.bind(TWO_STEP_ONLY)
     ours()

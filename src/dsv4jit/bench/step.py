@@ -4,7 +4,8 @@ layer is in L2 for the next), requests of random lengths (only those at a bounda
 
     python -m dsv4jit.bench.step [--json] [--only TEXT] [--against MODULE]
 
-Models: DeepSeek-V4-Pro (30 c4 + 31 c128 layers) and -Flash (21 + 20) storing the V4 formats, and a
+Models: DeepSeek-V4-Pro (30 c4 + 31 c128 layers) and -Flash (21 + 20) storing the V4 formats, Pro with
+every c128 layer on the online compressor (``pro-online``: a constant-size state per request), and a
 DeepSeek-V4.1-like model (its layer counts are not public: 11 c4, 10 c128, 10 ratio-1 and 10 ratio-2
 layers, and 2 without a compressor) storing ``v41`` (ratios 4, 128) and ``v41_fp4`` (ratios 1, 2). A c4
 layer's core and indexer compressors share its plan and rope table. Plans (ratios 4, 128) and the
@@ -43,9 +44,11 @@ class Model:
     layers: dict[int, int]   # compress ratio -> layers
     core: str                # the 512-dim cache format of ratios 4 and 128
     low: str = "v41_fp4"     # the layout of ratios 1 and 2
+    online: bool = False     # ratio 128 on the online compressor (contract §5) instead of the ring
 
 
 MODELS = {m.name: m for m in (Model("pro", {4: 30, 128: 31}, "v4_fp8"), Model("flash", {4: 21, 128: 20}, "v4_fp8"),
+                              Model("pro-online", {4: 30, 128: 31}, "v4_fp8", online=True),
                               Model("v4.1", {4: 11, 128: 10, 1: 10, 2: 10}, "v41"))}
 
 
@@ -100,11 +103,16 @@ class Batch:
         self.ext = torch.ones(bs, dtype=torch.int64, device=device) if shape.decode else self.seq.clone()
         self.num_tokens = bs if shape.decode else sum(lens)
 
-    def plan(self, api, ratio: int):
+    def plan(self, api, ratio: int, online: bool = False):
+        """The step's plan of a ratio through `api` (`online`: the online c128 compressor's)."""
+        host = torch.tensor(self.lens)
+        if online:
+            if self.shape.decode:
+                return api.CompressorDecodePlan.generate_online(self.seq, self.rpi, self.req_to_token)
+            return api.CompressorPrefillPlan.generate_online(host, host, self.rpi, self.req_to_token, self.num_tokens)
         if self.shape.decode:
             return api.CompressorDecodePlan.generate(ratio, self.rpi, self.req_to_token, self.full_to_state, self.seq,
                                                      SPS, RING[ratio])
-        host = torch.tensor(self.lens)
         return api.CompressorPrefillPlan.generate(ratio, self.rpi, host, host, self.req_to_token, self.full_to_state,
                                                   SPS, RING[ratio], self.num_tokens)
 
@@ -129,6 +137,7 @@ class Layer:
 
     def __init__(self, ratio: int, model: Model, batch: Batch, seed: int):
         self.ratio, self.batch, self.seed = ratio, batch, seed
+        self.online = model.online and ratio == 128
         dev = batch.device
         angles = _randn((max(batch.lens) + 1, 32), seed, "cpu")
         self.freq = torch.polar(torch.ones_like(angles), angles).to(dev)
@@ -144,9 +153,13 @@ class Layer:
         width = (4 if ratio == 4 else 2) * hd
         rows = b.num_tokens  # out_loc entries: one per token (prefill) or per request (decode)
         g = torch.Generator().manual_seed(seed)
+        if self.online:  # a request's (running max, running sum >= 1, average) of its open chunk
+            state = _randn((len(b.lens), 1, 3 * hd), seed + 2, dev)
+            state[..., hd:2 * hd].abs_().add_(1.0)
+        else:
+            state = _randn((b.state_rows(ratio) // ratio, ratio, width), seed + 2, dev)
         return dict(hd=hd, fmt=fmt, input=_randn((b.num_tokens, width), seed, dev),
-                    ape=_randn((8 if ratio == 4 else 128, hd), seed + 1, dev),
-                    state=_randn((b.state_rows(ratio) // ratio, ratio, width), seed + 2, dev),
+                    ape=_randn((8 if ratio == 4 else 128, hd), seed + 1, dev), state=state,
                     weight=1.0 + 0.3 * _randn((hd,), seed + 3, dev),
                     out_loc=(torch.randperm(2 * rows, generator=g)[:rows] + 1).to(dev),
                     cache=_cache(fmt, ratio, 2 * rows + 2, seed + 4, dev))
@@ -183,7 +196,7 @@ class Layer:
         store = dict(norm_weight=p["weight"], norm_eps=EPS, freq_cis=self.freq, out_loc=p["out_loc"],
                      kvcache=p["cache"], page_size=PAGE[self.ratio], use_fp4=p["fmt"] == "indexer_fp4",
                      **_layout(p["fmt"]))
-        op = dict(head_dim=p["hd"], compress_ratio=self.ratio)
+        op = dict(head_dim=p["hd"], compress_ratio=self.ratio, **({"is_online": True} if self.online else {}))
         fused = getattr(api, "compress_and_store", None)
         if fused is not None:
             return lambda: fused(p["state"], p["input"], p["ape"], plan, **op, **store)
@@ -227,14 +240,14 @@ class Step:
     """A model's step at one shape: its layers, then per API the calls of one step."""
 
     def __init__(self, model: Model, shape: Shape, device: torch.device):
-        self.batch = Batch(shape, device)
+        self.batch, self.online = Batch(shape, device), model.online
         ratios = [r for r, count in model.layers.items() for _ in range(count)]
         self.layers = [Layer(r, model, self.batch, seed=1000 + 100 * i) for i, r in enumerate(ratios)]
         self.meta = metadata(self.batch) if any(r in (1, 2) for r in ratios) else None
 
     def bind(self, api) -> tuple[Callable[[], None], list[torch.Tensor]]:
         """(one step through `api`, the caches it writes, layer by layer)."""
-        plans = {r: self.batch.plan(api, r) for r in (4, 128)}
+        plans = {r: self.batch.plan(api, r, self.online and r == 128) for r in (4, 128)}
         calls, caches = [], []
         for layer in self.layers:
             c, k = layer.calls(api, plans.get(layer.ratio), self.meta)
