@@ -46,6 +46,10 @@ class Model:
     low: str = "v41_fp4"     # the layout of ratios 1 and 2
     online: bool = False     # ratio 128 on the online compressor (contract §5) instead of the ring
 
+    def is_online(self, ratio: int) -> bool:
+        """Whether the layers of `ratio` run the online compressor."""
+        return self.online and ratio == 128
+
 
 MODELS = {m.name: m for m in (Model("pro", {4: 30, 128: 31}, "v4_fp8"), Model("flash", {4: 21, 128: 20}, "v4_fp8"),
                               Model("pro-online", {4: 30, 128: 31}, "v4_fp8", online=True),
@@ -105,14 +109,14 @@ class Batch:
 
     def plan(self, api, ratio: int, online: bool = False):
         """The step's plan of a ratio through `api` (`online`: the online c128 compressor's)."""
-        host = torch.tensor(self.lens)
-        if online:
-            if self.shape.decode:
-                return api.CompressorDecodePlan.generate_online(self.seq, self.rpi, self.req_to_token)
-            return api.CompressorPrefillPlan.generate_online(host, host, self.rpi, self.req_to_token, self.num_tokens)
         if self.shape.decode:
+            if online:
+                return api.CompressorDecodePlan.generate_online(self.seq, self.rpi, self.req_to_token)
             return api.CompressorDecodePlan.generate(ratio, self.rpi, self.req_to_token, self.full_to_state, self.seq,
                                                      SPS, RING[ratio])
+        host = torch.tensor(self.lens)
+        if online:
+            return api.CompressorPrefillPlan.generate_online(host, host, self.rpi, self.req_to_token, self.num_tokens)
         return api.CompressorPrefillPlan.generate(ratio, self.rpi, host, host, self.req_to_token, self.full_to_state,
                                                   SPS, RING[ratio], self.num_tokens)
 
@@ -137,7 +141,7 @@ class Layer:
 
     def __init__(self, ratio: int, model: Model, batch: Batch, seed: int):
         self.ratio, self.batch, self.seed = ratio, batch, seed
-        self.online = model.online and ratio == 128
+        self.online = model.is_online(ratio)
         dev = batch.device
         angles = _randn((max(batch.lens) + 1, 32), seed, "cpu")
         self.freq = torch.polar(torch.ones_like(angles), angles).to(dev)
@@ -240,14 +244,14 @@ class Step:
     """A model's step at one shape: its layers, then per API the calls of one step."""
 
     def __init__(self, model: Model, shape: Shape, device: torch.device):
-        self.batch, self.online = Batch(shape, device), model.online
+        self.batch, self.model = Batch(shape, device), model
         ratios = [r for r, count in model.layers.items() for _ in range(count)]
         self.layers = [Layer(r, model, self.batch, seed=1000 + 100 * i) for i, r in enumerate(ratios)]
         self.meta = metadata(self.batch) if any(r in (1, 2) for r in ratios) else None
 
     def bind(self, api) -> tuple[Callable[[], None], list[torch.Tensor]]:
         """(one step through `api`, the caches it writes, layer by layer)."""
-        plans = {r: self.batch.plan(api, r, self.online and r == 128) for r in (4, 128)}
+        plans = {r: self.batch.plan(api, r, self.model.is_online(r)) for r in (4, 128)}
         calls, caches = [], []
         for layer in self.layers:
             c, k = layer.calls(api, plans.get(layer.ratio), self.meta)

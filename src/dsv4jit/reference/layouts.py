@@ -87,12 +87,6 @@ def check_layout_cache(kvcache: torch.Tensor, page_size: int, layout: KVLayout, 
     check_cache(kvcache, width, formula, name)
 
 
-def check_format_cache(kvcache: torch.Tensor, fmt: str, page_size: int) -> None:
-    """Raise unless ``kvcache`` is a 2-D uint8 tensor of whole pages of the V4 format ``fmt``."""
-    width, formula = page_width(page_size, fmt=fmt)
-    check_cache(kvcache, width, formula)
-
-
 def token_addresses(kvcache: torch.Tensor, locs, page_size: int, layout: KVLayout, name: str = "out_loc"):
     """(page, data offset, scale offset) of each location's token, after the checks."""
     check_layout_cache(kvcache, page_size, layout)

@@ -46,8 +46,8 @@ from ..geometry import (
 )
 from ..kv_layout import KVLayout
 from ..plan_layout import decode_compress_plan, decode_decode_plan
-from .layouts import check_format_cache, read_v4, store_slots, write_layout, write_v4, write_v4_2buff
-from .paging import as_rows, gather, page_slot, scatter
+from .layouts import read_v4, store_slots, write_layout, write_v4, write_v4_2buff
+from .paging import as_rows, gather, scatter
 from .quant import (
     E4M3_MAX,
     FP4_MAX,
@@ -62,14 +62,6 @@ from .quant import (
     ue8m0_exponent,
     ue8m0_scale,
 )
-
-
-# ------------------------------------------------------------------------------------ geometry
-
-def _page_slot(kvcache: torch.Tensor, locs: torch.Tensor, fmt: str, page_size: int):
-    """(page, slot) of each location, after checking the cache's format and the locations' bounds."""
-    check_format_cache(kvcache, fmt, page_size)
-    return page_slot(kvcache, locs, page_size)
 
 
 # ------------------------------------------------------------------------------- norm and rope
@@ -161,14 +153,14 @@ def norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, freq
 def write_bf16(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int = 1) -> None:
     """Store rows ``values [n, 512]`` as 512 bf16 each at ``loc · 1024`` bytes (contract §6.8)."""
     values = as_rows(values, V4_HEAD_DIM)
-    page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fmt="v4_bf16")
     data = values.to(torch.bfloat16).contiguous().view(torch.uint8)
     scatter(kvcache, page, slot * BF16_TOKEN_BYTES, data)
 
 
 def read_bf16(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int = 1) -> torch.Tensor:
     """fp32 ``[n, 512]`` rows of a bf16_store cache."""
-    page, slot = _page_slot(kvcache, locs, "v4_bf16", page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fmt="v4_bf16")
     data = gather(kvcache, page, slot * BF16_TOKEN_BYTES, BF16_TOKEN_BYTES)
     return data.view(torch.bfloat16).to(torch.float32)
 
@@ -178,7 +170,7 @@ def read_bf16(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int = 1) -> 
 def write_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
     """Store post-Hadamard rows ``values [n, 128]`` as e4m3 + one fp32 scale each (contract §6.9)."""
     values = as_rows(values, INDEXER_HEAD_DIM)
-    page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fmt="indexer_fp8")
     # A plain fp32 scale (no power-of-two rounding); the quantizer multiplies by its reciprocal.
     scale = floored(values.abs().amax(-1, keepdim=True)) / E4M3_MAX
     inv_scale = 1.0 / scale
@@ -190,7 +182,7 @@ def write_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.T
 
 def read_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
     """Dequantized fp32 ``[n, 128]`` rows of an indexer fp8 cache."""
-    page, slot = _page_slot(kvcache, locs, "indexer_fp8", page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fmt="indexer_fp8")
     codes = gather(kvcache, page, slot * INDEXER_FP8_DATA_BYTES, INDEXER_FP8_DATA_BYTES)
     scale = gather(kvcache, page, page_size * INDEXER_FP8_DATA_BYTES + slot * INDEXER_FP8_SCALE_BYTES,
                     INDEXER_FP8_SCALE_BYTES).view(torch.float32)
@@ -202,7 +194,7 @@ def read_indexer_fp8(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) 
 def write_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
     """Store post-Hadamard rows ``values [n, 128]`` as packed fp4 + 4 UE8M0 scales each (contract §6.10)."""
     values = as_rows(values, INDEXER_HEAD_DIM)
-    page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fmt="indexer_fp4")
     n = values.shape[0]
     groups = values.reshape(n, -1, INDEXER_FP4_GROUP)
     e = ue8m0_exponent(floored(groups.abs().amax(-1)) / FP4_MAX)
@@ -215,7 +207,7 @@ def write_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, values: torch.T
 
 def read_indexer_fp4(kvcache: torch.Tensor, locs: torch.Tensor, page_size: int) -> torch.Tensor:
     """Dequantized fp32 ``[n, 128]`` rows of an indexer fp4 cache."""
-    page, slot = _page_slot(kvcache, locs, "indexer_fp4", page_size)
+    page, slot = store_slots(kvcache, locs, page_size, fmt="indexer_fp4")
     n = page.numel()
     packed = gather(kvcache, page, slot * INDEXER_FP4_DATA_BYTES, INDEXER_FP4_DATA_BYTES)
     e = gather(kvcache, page, page_size * INDEXER_FP4_DATA_BYTES + slot * INDEXER_FP4_SCALE_BYTES,
