@@ -56,15 +56,12 @@ def on(device, tensors: dict) -> dict:
     return {k: (v.clone().to(device) if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
 
 
-@pytest.mark.parametrize("layout,two_pools", STORES)
-@pytest.mark.parametrize("ratio", [4, 128])
-@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-@pytest.mark.parametrize("op", ["store", "fused"])
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
-def test_latent_layouts_match_the_reference(layout, two_pools, ratio, decode, op, device):
+def check_step(layout: str, two_pools: bool, ratio: int, decode: bool, op: str, batch: int = 3) -> None:
+    """One step of `op` (the store after compress_forward, or the fused op) on the CPU and on the GPU:
+    identical states, caches within FLIPS."""
     results = []
     for dev in ("cpu", "cuda"):
-        step = make_step(dev, ratio=ratio, decode=decode, seed=11 + ratio)
+        step = make_step(dev, ratio=ratio, decode=decode, seed=11 + ratio, batch=batch)
         pools = on(dev, caches(step, layout, two_pools, seed=5))
         if op == "store":
             kv = compress_forward(step.state, step.x, step.ape, step.plan, head_dim=512, compress_ratio=ratio)
@@ -81,6 +78,23 @@ def test_latent_layouts_match_the_reference(layout, two_pools, ratio, decode, op
     for name in ("kvcache", "kvcache_rope"):
         if ref[name] is not None:
             assert_flips(name, dev[name], ref[name])
+
+
+@pytest.mark.parametrize("layout,two_pools", STORES)
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("op", ["store", "fused"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_latent_layouts_match_the_reference(layout, two_pools, ratio, decode, op, device):
+    check_step(layout, two_pools, ratio, decode, op)
+
+
+@pytest.mark.parametrize("layout", ["v41_fp4", "v41_fp4_new"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_fp4_layouts_store_large_batches_a_row_per_warp(layout, device):
+    """The fp4 layouts' store takes a block of 4 warps per row up to 1024 rows (the batches above) and a
+    warp per row beyond: a decode step of 1025 requests."""
+    check_step(layout, False, 4, True, "store", batch=1025)
 
 
 @pytest.mark.parametrize("layout,two_pools", STORES)

@@ -1,8 +1,8 @@
 // Where the store puts a row: the byte layout of each cache format (Layout, Slot, slot_at) and how a
 // row's channels are spread over the lanes that hold it (RowLanes).
 //
-// A row is held by kLanes lanes (a warp for the 512-dim V4 rows; 4, 8 or 16 for the 128-dim
-// indexer rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
+// A row is held by kLanes lanes (a warp for the 512-dim V4 rows, or in small batches a block of 4
+// warps; 4, 8 or 16 for the 128-dim indexer rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
 // g = 0, 1, ..: the channels 4(j + kLanes·g) .. +3, its "virtual lane" j + kLanes·g of the
 // 32-lane layout (lane l, chunk k: channels 128k + 4l ..). Every global access is a coalesced
 // 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles of the V4 layout are half-warps, the
@@ -61,11 +61,18 @@ struct Layout {
   }
 };
 
+/// Lanes of a row held by a block of warps, one per 128-channel chunk of a 512-dim latent row: thread
+/// t holds virtual lane t alone (lane t % 32 of chunk t / 32), so each thread's chain is a quarter of
+/// a warp row's (small batches, where that chain is the kernel's time).
+inline constexpr int kBlockRowLanes = 4 * kWarpSize;
+
 /// A row held by kLanes lanes (see the top of the file).
 template <int kLanes>
 struct RowLanes {
-  static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16 || kLanes == kWarpSize, "4, 8, 16 or 32 lanes a row");
-  static constexpr int kSpan = kWarpSize / kLanes;  // a lane's 4-channel groups within one 128-channel chunk
+  static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16 || kLanes == kWarpSize || kLanes == kBlockRowLanes,
+                "4, 8, 16 or 32 lanes a row, or a block of 4 warps");
+  // a lane's 4-channel groups within one 128-channel chunk
+  static constexpr int kSpan = kLanes <= kWarpSize ? kWarpSize / kLanes : 1;
   // fp4 (indexer rows): the 32-dim groups (8 virtual lanes) a lane holds values of, and how many of
   // its 4-channel groups fall in each (two neighbouring ones on 4 lanes)
   static constexpr int kFp4Groups = kSpan < 4 ? kSpan : 4;

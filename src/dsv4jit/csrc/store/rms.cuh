@@ -46,18 +46,38 @@ DSV4_DEV float row_sum(float lane_sum) {
   return row_sum<kWarpSize>(t);
 }
 
+/// The row's sum of squares from a row on a block of warps, one per chunk (every thread of the block
+/// calls it, once): the chunk partials meet in shared memory, and every warp adds lane l's in chunk
+/// order and runs the butterfly, so each holds the canonical sum.
+DSV4_DEV float block_row_sum(float chunk_partial) {
+  constexpr int kChunks = kBlockRowLanes / kWarpSize;
+  __shared__ float partials[kChunks][kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  partials[threadIdx.x / kWarpSize][lane] = chunk_partial;
+  __syncthreads();
+  float t = partials[0][lane];
+#pragma unroll
+  for (int k = 1; k < kChunks; ++k) t = __fadd_rn(t, partials[k][lane]);
+  return row_sum(t);
+}
+
 /// The row's sum of squares from the groups of a row of `kLanes` lanes.
 template <int kLanes, int G>
 DSV4_DEV float sum_squares(const float (&x)[G][4]) {
-  constexpr int kSpan = RowLanes<kLanes>::kSpan;
-  float t[kSpan];
+  if constexpr (kLanes == kBlockRowLanes) {
+    static_assert(G == 1, "a thread of a block row holds one group");
+    return block_row_sum(chunk_partial(x[0]));
+  } else {
+    constexpr int kSpan = RowLanes<kLanes>::kSpan;
+    float t[kSpan];
 #pragma unroll
-  for (int w = 0; w < kSpan; ++w) {
-    t[w] = chunk_partial(x[w]);  // never -0, so the same as 0 + it
+    for (int w = 0; w < kSpan; ++w) {
+      t[w] = chunk_partial(x[w]);  // never -0, so the same as 0 + it
 #pragma unroll
-    for (int k = 1; k < G / kSpan; ++k) t[w] = __fadd_rn(t[w], chunk_partial(x[k * kSpan + w]));
+      for (int k = 1; k < G / kSpan; ++k) t[w] = __fadd_rn(t[w], chunk_partial(x[k * kSpan + w]));
+    }
+    return row_sum<kLanes>(t);
   }
-  return row_sum<kLanes>(t);
 }
 
 /// 1 / RMS of a row of format F from its sum of squares.

@@ -67,11 +67,13 @@ template <typename DType, Format F, bool kPDL, int kLanes>
 struct Kernel {
   using L = Layout<F>;
   using R = RowLanes<kLanes>;
-  static_assert(kLanes == kWarpSize || (L::kIndexer && (kLanes == 4 || kLanes == 8 || kLanes == 16)),
-                "V4 rows take a warp (64-dim scale tiles are half-warps); indexer rows 4, 8 or 16 lanes");
+  static_assert(L::kIndexer ? kLanes == 4 || kLanes == 8 || kLanes == 16 || kLanes == kWarpSize
+                            : kLanes == kWarpSize || kLanes == kBlockRowLanes,
+                "latent rows take a warp (64-dim scale tiles are half-warps) or a block of 4; indexer rows 4, 8 or "
+                "16 lanes");
   // Large batches: 8-lane rows in blocks of 8 warps (faster than 4 warps, and than 16 for fp8 and
   // fp4 decode); 4-lane rows in blocks of 4 (faster than 2, 3, 5, 6 or 8 warps): docs/design-notes.md.
-  static constexpr int kWarps = kLanes == 8 ? 8 : 4;
+  static constexpr int kWarps = kLanes == 8 ? 8 : kLanes == kBlockRowLanes ? kBlockRowLanes / kWarpSize : 4;
   // Rows on 16 or 32 lanes (indexer batches up to 2048 rows, V4 rows) let the next kernel launch as
   // soon as this one has waited for its own predecessor: its blocks take free slots and wait there.
   // The 4- and 8-lane kernels (large indexer batches) let it launch before their writes: launched
@@ -134,7 +136,7 @@ struct Kernel {
     for (int g = 0; g < kGroups; ++g) normalize_group<F, DType>(R::vlane(j, g), x[g], w[g], r, f[g]);
     const auto codes = encode(x, j);
     // Only the writes need the location: the check waits for it last.
-    if constexpr (kLanes == kWarpSize) {  // a row per warp: selected, as the warp is still here
+    if constexpr (kLanes >= kWarpSize) {  // a row per warp or block: selected, as the warp is still here
       if (check<kLanes>(p, loc, position)) write(slot_at<F>(p, loc), j, codes);
     } else {
       const bool stored = selected && check<kLanes>(p, loc, position);
@@ -149,8 +151,9 @@ struct Kernel {
     decltype(encode_latent<F, true>(0, std::declval<const float (&)[4]>())) chunk[kGroups];
   };
 
-  /// A latent row (a warp, lane j): each 128-channel chunk coded by its format (latent_codec.cuh).
-  /// Also the ring c128 fused kernels' store of a row (fused/sinks.cuh), with operands they preloaded.
+  /// A latent row (lane j of a warp, or thread j of a block row): each 128-channel chunk coded by its
+  /// format (latent_codec.cuh), a chunk being a warp's. Also the ring c128 fused kernels' store of a
+  /// row (fused/sinks.cuh), with operands they preloaded.
   template <typename Operands = FromGlobal<DType>>
   static DSV4_DEV void store_latent_row(const Params& p, uint32_t row, int j, const Operands& operands = {}) {
     store_row(
@@ -158,12 +161,12 @@ struct Kernel {
         [](float (&x)[kGroups][4], int j) {
           LatentChunks out;
 #pragma unroll
-          for (int g = 0; g < kGroups; ++g) out.chunk[g] = encode_latent<F, true>(128 * g + 4 * j, x[g]);
+          for (int g = 0; g < kGroups; ++g) out.chunk[g] = encode_latent<F, true>(4 * R::vlane(j, g), x[g]);
           return out;
         },
         [](const Slot& slot, int j, const LatentChunks& codes) {
 #pragma unroll
-          for (int g = 0; g < kGroups; ++g) write_latent<F>(slot, 128 * g + 4 * j, codes.chunk[g]);
+          for (int g = 0; g < kGroups; ++g) write_latent<F>(slot, 4 * R::vlane(j, g), codes.chunk[g]);
         });
   }
 
@@ -214,6 +217,12 @@ struct NormRopeStoreEntry {
   /// fewer instructions a row). Below, 16 lanes keep per-thread chains short (measured faster
   /// there). The figures: docs/design-notes.md.
   static constexpr uint32_t kLargeBatchRows = 2048;
+  /// Rows of the V4.1 fp4 layouts, up to this many, take a block each (a warp per chunk): a small
+  /// batch leaves most of the GPU idle and its time is one row's chain, whose fp4 coding is a quarter
+  /// as long there (0.6-0.8 µs faster at 16 and 256 rows). The fp8 formats' shorter chain gained
+  /// nothing, and larger batches keep a row per warp, whose plan, location and scalar steps are not
+  /// repeated by 4 warps (docs/design-notes.md).
+  static constexpr uint32_t kBlockRowsMax = 1024;
 
   template <int kLanes>
   static void launch_rows(const char* op, const Device& dev, const Params& p) {
@@ -301,6 +310,9 @@ struct NormRopeStoreEntry {
   /// The store kernel over checked parameters (checked(), then p.kv).
   static void launch_store(const char* op, const Device& dev, const Params& p) {
     if constexpr (!L::kIndexer) {
+      if constexpr (L::kFp4Values) {
+        if (p.rows <= kBlockRowsMax) return launch_rows<kBlockRowLanes>(op, dev, p);
+      }
       launch_rows<kWarpSize>(op, dev, p);
     } else {
       if (p.rows > kLargeBatchRows) {
