@@ -1,12 +1,13 @@
 // Where the store puts a row: the byte layout of each cache format (Layout, Slot, slot_at) and how a
 // row's channels are spread over the lanes that hold it (RowLanes).
 //
-// A row is held by kLanes lanes (a warp for the 512-dim V4 rows, or in small batches a block of 4
-// warps; 4, 8 or 16 for the 128-dim indexer rows, so a warp keeps several rows' loads in flight). Lane j of a row holds 4-channel group
-// g = 0, 1, ..: the channels 4(j + kLanes·g) .. +3, its "virtual lane" j + kLanes·g of the
-// 32-lane layout (lane l, chunk k: channels 128k + 4l ..). Every global access is a coalesced
-// 16-byte (or 4/8-byte packed) vector, the 64-dim scale tiles of the V4 layout are half-warps, the
-// fp4 32-dim groups are 8 virtual lanes, and the rope dims are the trailing 16 virtual lanes.
+// A row is held by kLanes lanes (a warp for the 512-dim latent rows, a block of 4 warps for the fp4
+// layouts' rows in small batches; 4, 8 or 16 for the 128-dim indexer rows, so a warp keeps several
+// rows' loads in flight). Lane j of a row holds 4-channel group g = 0, 1, ..: the channels
+// 4(j + kLanes·g) .. +3, its "virtual lane" j + kLanes·g of the 32-lane layout (lane l, chunk k:
+// channels 128k + 4l ..). Every global access is a coalesced 16-byte (or 4/8-byte packed) vector,
+// the 64-dim scale tiles of the V4 layout are half-warps, the fp4 32-dim groups are 8 virtual
+// lanes, and the rope dims are the trailing 16 virtual lanes.
 #pragma once
 
 #include <cstdint>
