@@ -74,7 +74,7 @@ struct Kernel {
   // Large batches: 8-lane rows in blocks of 8 warps (faster than 4 warps, and than 16 for fp8 and
   // fp4 decode); 4-lane rows in blocks of 4 (faster than 2, 3, 5, 6 or 8 warps): docs/design-notes.md.
   static constexpr int kWarps = kLanes == 8 ? 8 : kLanes == kBlockRowLanes ? kBlockRowLanes / kWarpSize : 4;
-  // Rows on 16 or 32 lanes (indexer batches up to 2048 rows, V4 rows) let the next kernel launch as
+  // Rows on 16 lanes or more (indexer batches up to 2048 rows, latent rows) let the next kernel launch as
   // soon as this one has waited for its own predecessor: its blocks take free slots and wait there.
   // The 4- and 8-lane kernels (large indexer batches) let it launch before their writes: launched
   // early, the next kernel's blocks and table copies slowed the fp4 store down (docs/design-notes.md).
