@@ -37,11 +37,14 @@ def test_a_step_writes_the_same_caches_through_either_path(model, shape):
     c128_states = [tuple(layer.parts[0]["state"].shape[1:]) for layer in s.layers if layer.ratio == 128]
     assert c128_states == ([(1, 3 * 512)] if full.online else [(128, 2 * 512)])
     starts = [part["cache"].clone() for layer in s.layers for part in layer.parts]
-    (ours, our_caches), (theirs, their_caches) = s.bind(dsv4jit), s.bind(TWO_STEP_ONLY)
-    ours()
-    theirs()
-    assert step.differing_share(our_caches, their_caches) == 0.0
-    written = [bool((cache != start).any()) for cache, start in zip(our_caches, starts)]
+    ours, theirs = s.bind(dsv4jit), s.bind(TWO_STEP_ONLY)
+    ours.run()
+    theirs.run()
+    assert step.differing_share(ours.caches, theirs.caches) == 0.0
+    two_step_launches = {4: 4, 128: 2, 1: 1, 2: 1}  # a c4 layer: core and indexer, compress then store each
+    assert ours.launches == len(s.layers) == len(ours.calls)
+    assert theirs.launches == sum(two_step_launches[layer.ratio] for layer in s.layers)
+    written = [bool((cache != start).any()) for cache, start in zip(ours.caches, starts)]
     ratios = [layer.ratio for layer in s.layers for _ in layer.parts]
     # a decode step stores a c128 row only for a request at a boundary: none in this batch
     assert written == [not (shape.decode and r == 128) for r in ratios]

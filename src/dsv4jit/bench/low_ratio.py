@@ -57,7 +57,7 @@ class Case:
 
     def through(self, api):
         """The layer's one call through `api` (a module with dsv4jit's API), on copies of its own."""
-        (call,), _ = self.layer.calls(api, None, self.meta)
+        (call,) = self.layer.calls(api, None, self.meta).calls
         return call
 
 

@@ -11,7 +11,8 @@ layers, and 2 without a compressor) storing ``v41`` (ratios 4, 128) and ``v41_fp
 layer's core and indexer compressors share its plan and rope table. Plans (ratios 4, 128) and the
 per-token metadata (ratios 1, 2) are built once per step, outside the timed region. dsv4jit runs one op
 per layer (``compress_and_store_c4_layer``, ``compress_and_store``, the ratio-1/2 ops). Times: the whole
-step eagerly and as one CUDA graph, L2-cold (bench/timing.py); the headline is the faster.
+step eagerly and as one CUDA graph, L2-cold (bench/timing.py); the headline is the faster. "launch floor":
+one graph of as many launches of an empty kernel as the step has calls (what the launches alone cost).
 
 ``--against MODULE`` runs another implementation of the same API (same names and signatures, such as
 the reference behind ../shared/peer/peer_api.py) on identical inputs, side by side; an op it lacks is
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import runtime
 from ..geometry import page_bytes, store_format
 from . import report, timing
 
@@ -135,6 +137,19 @@ def _cache(fmt: str, ratio: int, slots: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, 256, (pages, page_bytes(fmt, PAGE[ratio])), dtype=torch.uint8, generator=g).to(device)
 
 
+@dataclass(frozen=True)
+class Bound:
+    """Calls bound to an API (a layer's or a whole step's): the calls in order, the caches they write,
+    and the kernels they launch (each op one; the two-step pair of an op an implementation lacks two)."""
+    calls: list[Callable[[], object]]
+    caches: list[torch.Tensor]
+    launches: int
+
+    def run(self) -> None:
+        for call in self.calls:
+            call()
+
+
 class Layer:
     """One layer's tensors (weights, inputs, the state it starts from, its cache as it starts) and the
     calls of one step of it through an API, on copies of the state and the cache of its own."""
@@ -178,23 +193,24 @@ class Layer:
                     weight=(1.0 + 0.3 * _randn((512,), seed + 3, dev)).to(torch.bfloat16), ring=ring,
                     cache=_cache(store_format(512, layout=layout), r, 2 * b.num_tokens + SPS, seed + 4, dev))
 
-    def calls(self, api, plan, meta) -> tuple[list, list[torch.Tensor]]:
-        """(the step's calls through `api` on fresh copies of the state, the caches they write)."""
+    def calls(self, api, plan, meta) -> Bound:
+        """The layer's calls through `api` on fresh copies of the state, and the caches they write."""
         parts = [dict(p, state=p["state"].clone() if "state" in p else None,
                       ring=None if p.get("ring") is None else p["ring"].clone(), cache=p["cache"].clone())
                  for p in self.parts]
         caches = [p["cache"] for p in parts]
         if self.ratio in (1, 2):
-            return [self._low_call(api, parts[0], meta)], caches
+            return Bound([self._low_call(api, parts[0], meta)], caches, 1)
         layer_op = getattr(api, "compress_and_store_c4_layer", None)
         if self.ratio == 4 and layer_op is not None:
             core, idx = parts
-            return [lambda: layer_op(core["state"], core["input"], core["ape"], idx["state"], idx["input"], idx["ape"],
+            return Bound([lambda: layer_op(core["state"], core["input"], core["ape"], idx["state"], idx["input"], idx["ape"],
                                      plan, norm_weight=core["weight"], indexer_norm_weight=idx["weight"], norm_eps=EPS,
                                      freq_cis=self.freq, out_loc=core["out_loc"], kvcache=core["cache"],
                                      page_size=PAGE[4], indexer_kvcache=idx["cache"], indexer_out_loc=idx["out_loc"],
-                                     indexer_page_size=PAGE[4], use_fp4=True, **_layout(core["fmt"]))], caches
-        return [self._compressor_call(api, p, plan) for p in parts], caches
+                                     indexer_page_size=PAGE[4], use_fp4=True, **_layout(core["fmt"]))], caches, 1)
+        fused = getattr(api, "compress_and_store", None) is not None  # else two launches a compressor
+        return Bound([self._compressor_call(api, p, plan) for p in parts], caches, len(parts) * (1 if fused else 2))
 
     def _compressor_call(self, api, p: dict, plan):
         store = dict(norm_weight=p["weight"], norm_eps=EPS, freq_cis=self.freq, out_loc=p["out_loc"],
@@ -249,19 +265,26 @@ class Step:
         self.layers = [Layer(r, model, self.batch, seed=1000 + 100 * i) for i, r in enumerate(ratios)]
         self.meta = metadata(self.batch) if any(r in (1, 2) for r in ratios) else None
 
-    def bind(self, api) -> tuple[Callable[[], None], list[torch.Tensor]]:
-        """(one step through `api`, the caches it writes, layer by layer)."""
+    def bind(self, api) -> Bound:
+        """One step through `api`: its calls, the caches they write (layer by layer), its launches."""
         plans = {r: self.batch.plan(api, r, self.model.is_online(r)) for r in (4, 128)}
-        calls, caches = [], []
-        for layer in self.layers:
-            c, k = layer.calls(api, plans.get(layer.ratio), self.meta)
-            calls += c
-            caches += k
+        layers = [layer.calls(api, plans.get(layer.ratio), self.meta) for layer in self.layers]
+        return Bound([c for b in layers for c in b.calls], [k for b in layers for k in b.caches],
+                     sum(b.launches for b in layers))
 
-        def run():
-            for call in calls:
-                call()
-        return run, caches
+
+def launch_floor_us(launches: int, device: torch.device) -> float:
+    """What a step of `launches` kernels costs at least on the GPU: one CUDA graph (L2-cold, as the
+    steps) of as many launches of a kernel with no work (selftest.affine on one value), chained by
+    programmatic dependent launch as the ops are."""
+    x = torch.zeros(1, device=device)
+    out = torch.empty_like(x)
+    affine = runtime.function("selftest", "affine", device, dtype="fp32")  # PDL as the ops have it
+
+    def step():
+        for _ in range(launches):
+            affine(x, out, 1.0, 0.0)
+    return timing.graph_us(step, 3, 20)
 
 
 def differing_share(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
@@ -282,13 +305,15 @@ def run(only: str = "", against: str | None = None, device: torch.device | None 
                 continue
             step = Step(model, shape, device)
             bound = {name: step.bind(api) for name, api in apis.items()}
-            for fn, _ in bound.values():  # one step each, on the caches as they start: compared below
-                fn()
-            differ = differing_share(bound["dsv4jit"][1], bound[against][1]) if against else None
+            for b in bound.values():  # one step each, on the caches as they start: compared below
+                b.run()
+            differ = differing_share(bound["dsv4jit"].caches, bound[against].caches) if against else None
             times = {}
-            for name, (fn, _) in bound.items():
+            for name, b in bound.items():
                 suffix = "" if name == "dsv4jit" else f" {name}"
-                times[f"eager{suffix}"], times[f"graph{suffix}"] = timing.event_us(fn, 3, 20), timing.graph_us(fn, 3, 20)
+                times[f"eager{suffix}"] = timing.event_us(b.run, 3, 20)
+                times[f"graph{suffix}"] = timing.graph_us(b.run, 3, 20)
+                times[f"launch floor{suffix}"] = launch_floor_us(b.launches, device)
             row = timing.Row.best_of("step", case, times)
             if against:
                 for kind in ("eager", "graph"):
