@@ -169,6 +169,45 @@ def test_c2_decode_pool_matches_the_reference(ring, loc_dtype, device):
     assert torch.equal(s_dev, s_ref), "states differ"
 
 
+def rare_pair_rows(rows_: torch.Tensor, partner: bool) -> torch.Tensor:
+    """| kv | score | rows whose pooling takes the rare paths (contract §10.7's arithmetic unchanged):
+    scores 40 times wider, so that exp(-|d|) spans 1 down to fp32 subnormals and 0; kv tiny (2^-70) on
+    dims 0-15, zero on 16-31 and 2^61-sized on 32-47, where a quotient leaves the division's fast
+    range; and on a partner row, scores of -inf (a cleared ring row) on dims 48-63."""
+    out = rows_.clone()
+    out[:, 512:] *= 40.0
+    out[:, :16] *= 2.0 ** -70
+    out[:, 16:32] = 0.0
+    out[:, 32:48] *= 2.0 ** 61
+    if partner:
+        out[:, 512 + 48:512 + 64] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_pair_pooling_of_rare_operands_matches_the_reference(device):
+    """Both pair poolings (c2 decode's, c2_decode_pool's) on scores and kv that leave the branch-free
+    exp's and quotients' common range (rare_pair_rows) give the references' bits."""
+    r = rows([301, 5, 511, 1023, 77, 2047], [1] * 6, pad=2, seed=5)
+    kw = c2_inputs("v41_fp4", r, 2, seed=50)
+    kw["kv_input"], kw["kv_state"] = rare_pair_rows(kw["kv_input"], False), rare_pair_rows(kw["kv_state"], True)
+    ref, dev = both(lambda **k: dsv4jit.c2_decode_norm_rope_store(**k, draft_len=1), kw)
+    closing = (r.pos % 2 == 1) & (r.raw != 0)
+    assert_close("out", dev["out"][closing], ref["out"][closing])
+    assert_close("k_cache", dev["k_cache"], ref["k_cache"])
+    out_loc = torch.where(r.raw != 0, torch.where(r.pos % 2 == 1, r.raw // 2, -1), 0)
+    pooled = []
+    for device_ in ("cpu", "cuda"):
+        state = kw["kv_state"].clone().to(device_)
+        own = kw["kv_input"].to(device_)
+        pooled.append(dsv4jit.c2_decode_pool(own[:, :512].contiguous(), own[:, 512:].contiguous(), r.pos.to(device_),
+                                             r.raw.to(device_), out_loc.to(device_), r.req.to(device_),
+                                             state[:, :512], state[:, 512:], state.shape[0] - 1,
+                                             ring_size=2)[0].cpu())
+    live = r.raw != 0
+    assert torch.equal(pooled[1][live], pooled[0][live]), "pooled rows differ"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_an_empty_batch_writes_nothing(device):
     r = rows([4], [0], seed=5)

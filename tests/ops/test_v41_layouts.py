@@ -170,6 +170,46 @@ def test_fp4_quotients_by_a_tile_scale_are_ieee_divisions(device):
         assert int(out[:, 2].max()) == 0, "an e4m3 reciprocal differs from __frcp_rn"
 
 
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_pair_pooling_exp_is_fp64_exp_rounded_on_every_nonpositive_fp32(device):
+    """The ratio-2 poolings' branch-free exp (exp_nonpositive) equals (float)exp((double)x), bit for bit,
+    on all 2^31 bit patterns with the sign set (-0, subnormals, -inf, NaN) and on +0 and +NaN."""
+    dev = torch.device(device, torch.cuda.current_device())
+    probe = runtime.function("store_probes", "exp_nonpositive", dev)
+    chunk = 1 << 27
+    chunks = [(start, chunk) for start in range(1 << 31, 1 << 32, chunk)] + [(0, 1), (0x7FC00000, 1)]
+    out = torch.full((chunk, 1), -1, dtype=torch.int32, device=dev)
+    for start, n in chunks:
+        bits = torch.arange(start, start + n, dtype=torch.int64, device=dev)
+        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+        probe(x, out[:n])
+        bad = (out[:n, 0] != 1).nonzero()
+        assert bad.numel() == 0, (f"{bad.numel()} values from {start:#010x} on differ from fp64 exp rounded, first "
+                                  f"at bit pattern {start + int(bad[0]):#010x}")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_pair_pooling_quotients_are_ieee_divisions(device):
+    """The ratio-2 poolings divide by 1 + e (or e_o + e_n) in [1, 2] on __fdiv_rn's fast path with one
+    branch for 4 values (unit_quotients): against __fdiv_rn, bit for bit, by 128 divisors (1, 2, their
+    neighbours, 124 spread over the binade) on every fp32 significand of x, both signs, on the binades
+    at the fast range's bounds 2^-60 and 2^60, and on 2^24 random bit patterns (zeros, subnormals, inf,
+    NaN)."""
+    dev = torch.device(device, torch.cuda.current_device())
+    probe = runtime.function("store_probes", "unit_quotients", dev)
+    binade = 1 << 23
+    starts = [0x3F800000, 0xBF800000, 0x21000000, 0x21800000, 0x5D000000, 0x5D800000]  # [1, 2), 2^-61.., 2^59..
+    random = torch.randint(-(1 << 31), 1 << 31, (1 << 24,), generator=torch.Generator().manual_seed(6))
+    specials = torch.tensor([0, 1 << 31, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF], dtype=torch.int64)
+    for bits in [torch.arange(start, start + binade, dtype=torch.int64) for start in starts] + [random, specials]:
+        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).to(dev).view(torch.float32)
+        out = torch.full((x.numel(), 2), -2, dtype=torch.int32, device=dev)
+        probe(x, out)
+        bad = (out[:, 0] != 0).nonzero()
+        assert bad.numel() == 0, (f"{bad.numel()} values from {int(bits[0]):#010x} on have quotients other than "
+                                  f"__fdiv_rn's, first x = {float(x[bad[0]])} by divisor {int(out[bad[0], 1])}")
+
+
 def test_the_public_names_are_sglangs():
     assert dsv4jit.KVLayout.parse("V41_fp4") is dsv4jit.KVLayout.V41_FP4
     assert dsv4jit.is_valid_kv_layout_pair("v41", "v41_fp4") and not dsv4jit.is_valid_kv_layout_pair("v41", "v41_fp4_new")

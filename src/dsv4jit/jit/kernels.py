@@ -94,9 +94,10 @@ STORE_PROBES = KernelSpec(
     header="store/probes.cuh",
     params=(),
     exports={"fp4_codes": "dsv4::store::fp4_codes", "scale_exponents": "dsv4::store::scale_exponents",
-             "v41_codes": "dsv4::store::v41_codes", "short_quotients": "dsv4::store::short_quotients"},
+             "v41_codes": "dsv4::store::v41_codes", "short_quotients": "dsv4::store::short_quotients",
+             "exp_nonpositive": "dsv4::store::exp_nonpositive", "unit_quotients": "dsv4::store::unit_quotients"},
     doc="test-only probes of the store's fp4 codecs, UE8M0 exponents, V4.1 codes and quotients by a tile "
-        "scale over any fp32 inputs",
+        "scale, and of the pair poolings' exp and quotients, over any fp32 inputs",
 )
 
 

@@ -6,6 +6,7 @@
 
 #include <cuda_fp8.h>
 
+#include "exact.cuh"
 #include "types.cuh"
 
 namespace dsv4 {
@@ -118,11 +119,11 @@ __device__ constexpr Fp4CodeTable kFp4Codes = Fp4CodeTable::make();
 /// codes 0, 1, 2 split at the ties 0.25 (to 0) and 0.75 (to 1.0).
 DSV4_DEV uint32_t e2m1_rn_soft(float u) {
   const uint32_t bits = __float_as_uint(u), mag = bits & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return 7u;  // NaN
   const float a = __uint_as_float(mag);
   const uint32_t from_one = min(((mag + 0x1FFFFFu + ((mag >> 22) & 1u)) >> 22) - (127u << 1) + 2u, 7u);
   const uint32_t below_one = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f);
-  return (a >= 1.0f ? from_one : below_one) | ((bits >> 28) & 8u);
+  const uint32_t code = (a >= 1.0f ? from_one : below_one) | ((bits >> 28) & 8u);
+  return mag > 0x7F800000u ? 7u : code;  // NaN: a select, so that a thread's codes need no branch each
 }
 
 /// Two e2m1 codes (e2m1_rn_soft's rule) as one byte, `lo` in the low nibble.
@@ -162,43 +163,17 @@ DSV4_DEV int v41_tile_exponent(float amax) {
   return max(static_cast<int>(bits >> 23) - 8 + static_cast<int>((bits & 0x7FFFFFu) > 0x600000u), 114);
 }
 
-/// Whether short_quotients() divides `x` without __fdiv_rn: 0, or a magnitude in [2^-60, 2^60], where
-/// the quotient and the remainder by a divisor in [2^-9, 448] stay in fp32's normal range (not inf or NaN).
-DSV4_DEV bool short_divisible(float x) {
-  const float a = fabsf(x);
-  return a == 0.0f || (a >= 0x1p-60f && a <= 0x1p60f);
-}
-
-/// RN(1 / d) for a positive e4m3 value d (codes 1 to 126: 2^-9 to 448), the bits of __frcp_rn(d)
-/// without its slow-path branch: the approximate reciprocal and one Newton step (relative error
-/// about 2^-46, while 1 / d, of a 4-bit significand, lies farther than that from every rounding
-/// midpoint). store_probes checks the 126.
-DSV4_DEV float e4m3_reciprocal(float d) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
-  return __fmaf_rn(__fmaf_rn(-d, y, 1.0f), y, y);
-}
-
-/// x / d rounded to nearest even, the bits of __fdiv_rn(x, d), for a divisor d of at most 4
-/// significant bits in [2^-9, 448] (an e4m3 value) and y = RN(1 / d), where short_divisible(x): q =
-/// RN(x·y) is within an ulp of x / d, so the remainder x - q·d is exact, and one correction step
-/// rounds (Markstein); a zero remainder leaves q, which keeps a zero x's sign. Checked against
-/// __fdiv_rn on every fp32 significand of x for every such d (store_probes); in the range, scaling x
-/// by 2^k scales every step exactly.
-DSV4_DEV float short_quotient(float x, float d, float y) {
-  const float q = __fmul_rn(x, y);
-  const float r = __fmaf_rn(-q, d, x);
-  return r == 0.0f ? q : __fmaf_rn(r, y, q);
-}
-
-/// The 4 quotients x[c] / d (__fdiv_rn's bits) by a positive e4m3 value d, with one branch for the
-/// 4 and none of the division's: __fdiv_rn only where a value is not short_divisible (tiny, huge,
-/// inf or NaN).
+/// The 4 quotients x[c] / d (__fdiv_rn's bits) by a positive e4m3 value d (codes 1 to 126: 2^-9 to
+/// 448), with one branch for the 4 and none of the division's: __fdiv_rn only where a value is not
+/// short_divisible (tiny, huge, inf or NaN). The reciprocal is RN(1 / d), __frcp_rn's bits: its
+/// relative error before rounding, about 2^-46, is less than the distance from 1 / d, of a 4-bit
+/// significand, to every rounding midpoint. store_probes checks the quotients against __fdiv_rn on every
+/// fp32 significand of x, and the 126 reciprocals against __frcp_rn.
 DSV4_DEV void short_quotients(float (&q)[4], const float (&x)[4], float d) {
-  const float y = e4m3_reciprocal(d);
+  const float y = newton_reciprocal(d);
   if (short_divisible(x[0]) && short_divisible(x[1]) && short_divisible(x[2]) && short_divisible(x[3])) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) q[c] = short_quotient(x[c], d, y);
+    for (int c = 0; c < 4; ++c) q[c] = corrected_quotient(x[c], d, y);
   } else {
 #pragma unroll
     for (int c = 0; c < 4; ++c) q[c] = __fdiv_rn(x[c], d);
@@ -207,10 +182,10 @@ DSV4_DEV void short_quotients(float (&q)[4], const float (&x)[4], float d) {
 
 /// The e4m3 scale code of a V4.1 fp4 tile: e4m3(clamp(amax / 6, 2^-9, 448)), an IEEE division (the
 /// layout's encoder; the fake quant multiplies by fl(1/6) instead: fp4_fake_quant_scale). The quotient
-/// by short_quotient (6 is an e4m3 value) up to 2^60, where the clamp takes whatever is smaller; above
+/// by corrected_quotient (6 is an e4m3 value) up to 2^60, where the clamp takes whatever is smaller; above
 /// (inf too) and for NaN, amax itself clamps as amax / 6 does.
 DSV4_DEV uint32_t v41_fp4_scale_code(float amax) {
-  const float q = amax <= 0x1p60f ? short_quotient(amax, 6.0f, 1.0f / 6.0f) : amax;
+  const float q = amax <= 0x1p60f ? corrected_quotient(amax, 6.0f, 1.0f / 6.0f) : amax;
   return e4m3_code(fminf(fmaxf(q, 0x1p-9f), 448.0f));
 }
 

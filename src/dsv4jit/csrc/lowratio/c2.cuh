@@ -18,6 +18,7 @@
 // the RMSNorm of bf(pooled) (row.cuh).
 #pragma once
 
+#include "common/exact.cuh"
 #include "common/pdl.cuh"
 #include "entry.h"
 #include "row.cuh"
@@ -45,16 +46,22 @@ DSV4_DEV void store_pair(float* row, const RowLane& t, const PairDims& v) {
   store_vec(row + kHeadDim + t.dim, sc);
 }
 
-/// The pooled pair (partner `o`, own `n`), in o.kv, rounded to bf16 (the latent's input).
+/// The pooled pair (partner `o`, own `n`), in o.kv, rounded to bf16 (the latent's input). The 4 dims
+/// run side by side: exp and the quotients without a branch each (common/exact.cuh).
 DSV4_DEV void pool_pair(PairDims& o, const PairDims& n) {
+  float d[4], neg[4], e[4], num[4], den[4], pooled[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) d[c] = __fsub_rn(o.score[c], n.score[c]), neg[c] = -fabsf(d[c]);
+  exp_nonpositive(e, neg);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const float d = __fsub_rn(o.score[c], n.score[c]);
-    const float e = static_cast<float>(exp(-static_cast<double>(fabsf(d))));
-    const float w_o = d > 0.0f ? 1.0f : e, w_n = d > 0.0f ? e : 1.0f;
-    const float pooled = __fdiv_rn(__fadd_rn(__fmul_rn(o.kv[c], w_o), __fmul_rn(n.kv[c], w_n)), __fadd_rn(1.0f, e));
-    o.kv[c] = to_f32(from_f32<bf16_t>(pooled));
+    const float w_o = d[c] > 0.0f ? 1.0f : e[c], w_n = d[c] > 0.0f ? e[c] : 1.0f;
+    num[c] = __fadd_rn(__fmul_rn(o.kv[c], w_o), __fmul_rn(n.kv[c], w_n));
+    den[c] = __fadd_rn(1.0f, e[c]);
   }
+  unit_quotients(pooled, num, den);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) o.kv[c] = to_f32(from_f32<bf16_t>(pooled[c]));
 }
 
 /// A row's request slot, position and full slot (raw_out_loc).

@@ -11,6 +11,7 @@
 // odd position, else position; slots = out_loc where >= 0, else 0.
 #pragma once
 
+#include "common/exact.cuh"
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
 #include "common/status_text.h"
@@ -57,8 +58,6 @@ inline tvm::ffi::String describe_pool_status(int64_t word) {
                              "state_kv"}});
 }
 
-DSV4_DEV float exp_rounded(float x) { return static_cast<float>(exp(static_cast<double>(x))); }
-
 template <bool kPDL>
 __global__ __launch_bounds__(kPoolThreads) void c2_pool_kernel(const __grid_constant__ PoolParams p) {
   const int c0 = 4 * threadIdx.x;  // this thread's dims
@@ -94,14 +93,20 @@ __global__ __launch_bounds__(kPoolThreads) void c2_pool_kernel(const __grid_cons
     store_vec(p.state_kv + w * p.kv_stride + c0, keep ? kv_o : kv);
     store_vec(p.state_score + w * p.score_stride + c0, keep ? sc_o : sc);
   }
-  Vec<float, 4> out;
+  float x[8], e[8], e_o[4], e_n[4], denom[4], w_o[4], w_n[4];  // the 4 dims side by side (exact.cuh)
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const float m = fmaxf(sc_o[c], sc[c]);
-    const float e_o = exp_rounded(__fsub_rn(sc_o[c], m)), e_n = exp_rounded(__fsub_rn(sc[c], m));
-    const float denom = __fadd_rn(e_o, e_n);
-    out[c] = __fadd_rn(__fmul_rn(kv_o[c], __fdiv_rn(e_o, denom)), __fmul_rn(kv[c], __fdiv_rn(e_n, denom)));
+    x[c] = __fsub_rn(sc_o[c], m), x[4 + c] = __fsub_rn(sc[c], m);
   }
+  exp_nonpositive(e, x);  // the 8 exps in one pass: their chains overlap
+#pragma unroll
+  for (int c = 0; c < 4; ++c) e_o[c] = e[c], e_n[c] = e[4 + c], denom[c] = __fadd_rn(e_o[c], e_n[c]);
+  unit_quotients(w_o, e_o, denom);
+  unit_quotients(w_n, e_n, denom);
+  Vec<float, 4> out;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) out[c] = __fadd_rn(__fmul_rn(kv_o[c], w_o[c]), __fmul_rn(kv[c], w_n[c]));
   store_vec(p.pooled + uint64_t{row} * kPoolDim + c0, out);
 }
 

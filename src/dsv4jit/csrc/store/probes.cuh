@@ -2,7 +2,8 @@
 // e2m1 codes of both fp4 codecs, the division-free UE8M0 exponents, the DeepSeek-V4.1 codes (e2m1
 // with ties to even, the tile exponent and the two fp4 tile scales) and the fp4 codecs' quotients
 // by a tile scale, over any fp32 inputs, for checking them against the reference rules on every bit
-// pattern.
+// pattern; and the ratio-2 pair poolings' branch-free exp and quotients (common/exact.cuh) against
+// the library's.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/exact.cuh"
 #include "common/launch.cuh"
 #include "common/quant.cuh"
 #include "common/tensor_check.h"
@@ -75,7 +77,7 @@ struct V41CodesProbe {
 
 /// The fp4 codecs' quotients by a tile scale against __fdiv_rn, bit for bit, for every positive e4m3
 /// value d (codes 1 to 126: 2^-9 to 448, 6 among them): how many of short_quotients' quotients of x by
-/// the 126 differ, and the first such code (-1: none); plus, for every x, whether each e4m3_reciprocal
+/// the 126 differ, and the first such code (-1: none); plus, for every x, whether each newton_reciprocal
 /// equals __frcp_rn (a count, the same in every row).
 struct ShortQuotientsProbe {
   static constexpr int kOutputs = 3;
@@ -87,13 +89,69 @@ struct ShortQuotientsProbe {
       float q[4];
       short_quotients(q, xs, d);
       if (__float_as_uint(q[0]) != __float_as_uint(__fdiv_rn(x, d)) && differ++ == 0) first = static_cast<int32_t>(code);
-      reciprocals += __float_as_uint(e4m3_reciprocal(d)) != __float_as_uint(__frcp_rn(d));
+      reciprocals += __float_as_uint(newton_reciprocal(d)) != __float_as_uint(__frcp_rn(d));
     }
     out[0] = differ;
     out[1] = first;
     out[2] = reciprocals;
   }
 };
+
+/// The pair poolings' branch-free steps against the library's (common/exact.cuh), bit for bit: 1 where
+/// exp_nonpositive(x) equals (float)exp((double)x) (both NaN counts as equal), for x <= 0 or NaN.
+struct ExpNonpositiveProbe {
+  static constexpr int kOutputs = 1;
+  static DSV4_DEV void apply(float x, int32_t* out) {
+    const float xs[1] = {x};
+    float got[1];
+    exp_nonpositive(got, xs);
+    const float want = static_cast<float>(exp(static_cast<double>(x)));
+    out[0] = __float_as_uint(got[0]) == __float_as_uint(want) || (isnan(got[0]) && isnan(want));
+  }
+};
+
+/// unit_quotients of x by 128 divisors in [1, 2] against __fdiv_rn, bit for bit: 1, 2, their
+/// neighbours 1 + 2^-23 and 2 - 2^-23, and 124 significands spread over the binade by a multiplicative
+/// hash; how many quotients differ, and the first such divisor's index (-1: none).
+struct UnitQuotientsProbe {
+  static constexpr int kOutputs = 2;
+  static constexpr uint32_t kDivisors = 128;
+  static DSV4_DEV float divisor(uint32_t i) {
+    switch (i) {
+      case 0: return 1.0f;
+      case 1: return 2.0f;
+      case 2: return __uint_as_float(0x3F800001u);
+      case 3: return __uint_as_float(0x3FFFFFFFu);
+      default: return __uint_as_float(0x3F800000u | ((i * 2654435761u) & 0x7FFFFFu));
+    }
+  }
+  static DSV4_DEV void apply(float x, int32_t* out) {
+    int32_t differ = 0, first = -1;
+    for (uint32_t i = 0; i < kDivisors; i += 4) {
+      const float xs[4] = {x, x, x, x};
+      const float d[4] = {divisor(i), divisor(i + 1), divisor(i + 2), divisor(i + 3)};
+      float q[4];
+      unit_quotients(q, xs, d);
+      for (int c = 0; c < 4; ++c) {
+        if (__float_as_uint(q[c]) != __float_as_uint(__fdiv_rn(x, d[c])) && differ++ == 0) {
+          first = static_cast<int32_t>(i) + c;
+        }
+      }
+    }
+    out[0] = differ;
+    out[1] = first;
+  }
+};
+
+/// x fp32 [n] -> out int32 [n, 1]: ExpNonpositiveProbe.
+inline void exp_nonpositive(TensorView x, TensorView out) {
+  run_probe<ExpNonpositiveProbe, int32_t>("store_probes.exp_nonpositive", "x", x, out);
+}
+
+/// x fp32 [n] -> out int32 [n, 2]: UnitQuotientsProbe.
+inline void unit_quotients(TensorView x, TensorView out) {
+  run_probe<UnitQuotientsProbe, int32_t>("store_probes.unit_quotients", "x", x, out);
+}
 
 /// x fp32 [n] -> out int32 [n, 3]: ShortQuotientsProbe.
 inline void short_quotients(TensorView x, TensorView out) {
