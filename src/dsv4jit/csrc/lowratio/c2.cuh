@@ -89,19 +89,26 @@ DSV4_DEV int64_t ring_row(const Params& p, int64_t rid, int64_t position) {
 
 DSV4_DEV const float* input_row(const Params& p, uint64_t row) { return static_cast<const float*>(p.kv) + row * kPairRow; }
 
-/// Pools odd row `row` (meta `m`, its own dims `n`) with the partner row at `partner`, writes its
+/// Pools odd row `row` (meta `m`, its own dims `n`) with its partner's dims `o` (consumed), writes its
 /// latent to out and stores it. Every thread of the block calls it.
 template <store::Format F>
 DSV4_DEV void close_pair(const Params& p, uint32_t row, const RowLane& t, const RowMeta& m, const PairDims& n,
-                         const float* partner, const Dims& w, double (&partials)[kChunks]) {
-  PairDims o;
-  load_pair(partner, t, o);
+                         PairDims& o, const Dims& w, double (&partials)[kChunks]) {
   const Vec<float, 4> rope = load_rope(p, t, m.position - 1);
   pool_pair(o, n);
   normalize_latent(p, t, o.kv, w, partials);
   write_out(p, row, t, o.kv);
   const int64_t loc = m.raw >> 1;
   if (storable(p, loc, m.position - 1)) store_latent<F>(p, t, loc, rope, o.kv);
+}
+
+/// close_pair with the partner row at `partner`, loaded here.
+template <store::Format F>
+DSV4_DEV void close_pair_at(const Params& p, uint32_t row, const RowLane& t, const RowMeta& m, const PairDims& n,
+                            const float* partner, const Dims& w, double (&partials)[kChunks]) {
+  PairDims o;
+  load_pair(partner, t, o);
+  close_pair<F>(p, row, t, m, n, o, w, partials);
 }
 
 /// Decode and target verify: a block per row.
@@ -114,8 +121,13 @@ __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_consta
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
   const RowMeta m = meta(p, row);
-  PairDims own;  // loaded beside the row's metadata: every row but a padded one needs it
+  // Loaded beside the row's metadata: its own row (every row but a padded one needs it) and, inside a
+  // verify block, the row before it, an odd row's partner, whose address needs no metadata (an even
+  // row's load of it is spent)
+  const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
+  PairDims own, partner;
   load_pair(input_row(p, row), t, own);
+  if (in_block) load_pair(input_row(p, row - 1), t, partner);
   pdl_launch_dependents<kPDL>();
   if (m.raw == 0) return;  // a padded row
   if (m.position % 2 == 0) {  // parks its row for the odd row of a later step (or of its block)
@@ -123,10 +135,12 @@ __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_consta
     if (r >= 0) store_pair(p.ring + r * kPairRow, t, own);
     return;
   }
-  const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
-  const int64_t r = in_block ? 0 : ring_row(p, m.rid, m.position - 1);
-  if (r < 0) return;
-  close_pair<F>(p, row, t, m, own, in_block ? input_row(p, row - 1) : p.ring + r * kPairRow, w, partials);
+  if (in_block) {
+    close_pair<F>(p, row, t, m, own, partner, w, partials);
+    return;
+  }
+  const int64_t r = ring_row(p, m.rid, m.position - 1);
+  if (r >= 0) close_pair_at<F>(p, row, t, m, own, p.ring + r * kPairRow, w, partials);
 }
 
 /// Whether the row before a row (`m`) is its partner: the same request, position - 1, not padding.
@@ -160,12 +174,12 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
     PairDims own;
     load_pair(input_row(p, row), t, own);
     if (is_partner(before, m)) {
-      close_pair<F>(p, row, t, m, own, input_row(p, row - 1), w, partials);
+      close_pair_at<F>(p, row, t, m, own, input_row(p, row - 1), w, partials);
       return;
     }
     if (starts_a_request(p, row)) return;  // its request's block pools it before the write-back
     const int64_t r = ring_row(p, m.rid, m.position - 1);
-    if (r >= 0) close_pair<F>(p, row, t, m, own, p.ring + r * kPairRow, w, partials);
+    if (r >= 0) close_pair_at<F>(p, row, t, m, own, p.ring + r * kPairRow, w, partials);
     return;
   }
   const uint32_t i = blockIdx.x - p.rows;
@@ -177,7 +191,7 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
     const int64_t r = ring_row(p, first.rid, first.position - 1);
     PairDims own;
     load_pair(input_row(p, start), t, own);
-    if (r >= 0) close_pair<F>(p, start, t, first, own, p.ring + r * kPairRow, w, partials);
+    if (r >= 0) close_pair_at<F>(p, start, t, first, own, p.ring + r * kPairRow, w, partials);
   }
   for (int64_t k = len > p.ring_size ? len - p.ring_size : 0; k < len; ++k) {  // the write-back
     const RowMeta m = meta(p, start + k);
