@@ -15,10 +15,12 @@ __global__ __launch_bounds__(kThreads) void c1_kernel(const __grid_constant__ Pa
   __shared__ double partials[kChunks];
   const RowLane t = RowLane::of_thread();
   const uint32_t row = blockIdx.x;
+  const bf16_t* input = static_cast<const bf16_t*>(p.kv) + uint64_t{row} * kHeadDim;
+  prefetch_row<kPDL>(p, row, {input}, kHeadDim * sizeof(bf16_t));
   Dims w;
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
-  const Vec<bf16_t, 4> kv = load_vec<4>(static_cast<const bf16_t*>(p.kv) + uint64_t{row} * kHeadDim + t.dim);
+  const Vec<bf16_t, 4> kv = load_vec<4>(input + t.dim);
   // An ordering point (no instruction): without it the compiler issues kv after the test of the
   // position that guards the rope row, so kv waited a round trip for the position
   __syncwarp();

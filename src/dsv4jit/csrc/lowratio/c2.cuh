@@ -117,6 +117,8 @@ __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_consta
   __shared__ double partials[kChunks];
   const RowLane t = RowLane::of_thread();
   const uint32_t row = blockIdx.x;
+  const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
+  prefetch_row<kPDL>(p, row, {input_row(p, row), in_block ? input_row(p, row - 1) : nullptr}, kPairRow * sizeof(float));
   Dims w;
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
@@ -124,7 +126,6 @@ __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_consta
   // Loaded beside the row's metadata: its own row (every row but a padded one needs it) and, inside a
   // verify block, the row before it, an odd row's partner, whose address needs no metadata (an even
   // row's load of it is spent)
-  const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
   PairDims own, partner;
   load_pair(input_row(p, row), t, own);
   if (in_block) load_pair(input_row(p, row - 1), t, partner);

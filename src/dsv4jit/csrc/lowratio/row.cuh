@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "common/async_copy.cuh"
 #include "common/types.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
@@ -37,6 +38,23 @@ struct RowLane {
 
 /// This thread's 4 dims of a row.
 using Dims = float[4];
+
+/// Before the upstream wait: brings into L2 what a row's first round trip after the wait reads, its
+/// metadata entries (positions, locations and, for ratio 2, requests) and input rows (`rows`, `bytes`
+/// each, null ones skipped), so that the trip finds them there once the kernel before this one is
+/// done. Allowed before the wait: a prefetch returns nothing, and L2 is coherent, so a line that a
+/// running kernel still writes is never read stale. The block's first thread issues them.
+template <bool kPDL, int kRows>
+DSV4_DEV void prefetch_row(const Params& p, uint32_t row, const void* const (&rows)[kRows], uint32_t bytes) {
+  if (!kPDL || threadIdx.x != 0) return;
+  prefetch_l2(static_cast<const char*>(p.positions) + uint64_t{row} * (p.pos64 ? 8 : 4));
+  prefetch_l2(static_cast<const char*>(p.locs) + uint64_t{row} * (p.loc64 ? 8 : 4));
+  if (p.req != nullptr) prefetch_l2(p.req + row);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    if (rows[i] != nullptr) prefetch_l2_bulk(rows[i], bytes);
+  }
+}
 
 /// The norm weights of the thread's dims (not written by any kernel: loaded before the upstream wait).
 DSV4_DEV void load_weight(const Params& p, const RowLane& t, Dims& w) {
