@@ -119,6 +119,22 @@ def test_the_c4_layer_op_stores_its_core_in_the_layout(layout, two_pools, decode
             assert_flips(name, dev[name], ref[name])
 
 
+def fp32_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of unsigned 32-bit patterns held in int64."""
+    return (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+
+
+def quotient_probe_inputs(seed: int) -> list[torch.Tensor]:
+    """Bit patterns (int64) of a quotient probe's x: every significand of [1, 2), both signs, the binades
+    at the fast range's bounds 2^-60 and 2^60, 2^24 random patterns and zeros, a subnormal, ±inf, NaN
+    and the largest finite value."""
+    binade = 1 << 23
+    starts = [0x3F800000, 0xBF800000, 0x21000000, 0x21800000, 0x5D000000, 0x5D800000]  # [1, 2), 2^-61.., 2^59..
+    random = torch.randint(-(1 << 31), 1 << 31, (1 << 24,), generator=torch.Generator().manual_seed(seed))
+    specials = torch.tensor([0, 1 << 31, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF], dtype=torch.int64)
+    return [torch.arange(start, start + binade, dtype=torch.int64) for start in starts] + [random, specials]
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
 def test_v41_codes_equal_the_reference_rules_on_every_fp32(device):
     """The kernels' V4.1 codes (the store_probes module) against reference.quant_v41 on all 2^32 fp32 bit
@@ -131,7 +147,7 @@ def test_v41_codes_equal_the_reference_rules_on_every_fp32(device):
     out = torch.full((chunk, 4), -1, dtype=torch.int32, device=dev)
     for start in range(0, 1 << 32, chunk):
         bits = torch.arange(start, start + chunk, dtype=torch.int64, device=dev)
-        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+        x = fp32_of_bits(bits)
         codes(x, out)
         code = e2m1rn_encode(x).to(torch.int32)
         amax = x.abs()
@@ -155,13 +171,8 @@ def test_fp4_quotients_by_a_tile_scale_are_ieee_divisions(device):
     branch-free reciprocals equal __frcp_rn on all 126."""
     dev = torch.device(device, torch.cuda.current_device())
     quotients = runtime.function("store_probes", "short_quotients", dev)
-    binade = 1 << 23
-    starts = [0x3F800000, 0xBF800000, 0x21000000, 0x21800000, 0x5D000000, 0x5D800000]  # [1, 2), 2^-61.., 2^59..
-    random = torch.randint(-(1 << 31), 1 << 31, (1 << 24,), generator=torch.Generator().manual_seed(5))
-    specials = torch.tensor([0, 1 << 31, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF], dtype=torch.int64)
-    chunks = [torch.arange(start, start + binade, dtype=torch.int64) for start in starts] + [random, specials]
-    for bits in chunks:
-        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).to(dev).view(torch.float32)
+    for bits in quotient_probe_inputs(5):
+        x = fp32_of_bits(bits).to(dev)
         out = torch.full((x.numel(), 3), -2, dtype=torch.int32, device=dev)
         quotients(x, out)
         bad = (out[:, 0] != 0).nonzero()
@@ -181,7 +192,7 @@ def test_pair_pooling_exp_is_fp64_exp_rounded_on_every_nonpositive_fp32(device):
     out = torch.full((chunk, 1), -1, dtype=torch.int32, device=dev)
     for start, n in chunks:
         bits = torch.arange(start, start + n, dtype=torch.int64, device=dev)
-        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+        x = fp32_of_bits(bits)
         probe(x, out[:n])
         bad = (out[:n, 0] != 1).nonzero()
         assert bad.numel() == 0, (f"{bad.numel()} values from {start:#010x} on differ from fp64 exp rounded, first "
@@ -197,12 +208,8 @@ def test_pair_pooling_quotients_are_ieee_divisions(device):
     NaN)."""
     dev = torch.device(device, torch.cuda.current_device())
     probe = runtime.function("store_probes", "unit_quotients", dev)
-    binade = 1 << 23
-    starts = [0x3F800000, 0xBF800000, 0x21000000, 0x21800000, 0x5D000000, 0x5D800000]  # [1, 2), 2^-61.., 2^59..
-    random = torch.randint(-(1 << 31), 1 << 31, (1 << 24,), generator=torch.Generator().manual_seed(6))
-    specials = torch.tensor([0, 1 << 31, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF], dtype=torch.int64)
-    for bits in [torch.arange(start, start + binade, dtype=torch.int64) for start in starts] + [random, specials]:
-        x = (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).to(dev).view(torch.float32)
+    for bits in quotient_probe_inputs(6):
+        x = fp32_of_bits(bits).to(dev)
         out = torch.full((x.numel(), 2), -2, dtype=torch.int32, device=dev)
         probe(x, out)
         bad = (out[:, 0] != 0).nonzero()

@@ -209,15 +209,16 @@ class Layer:
                                      freq_cis=self.freq, out_loc=core["out_loc"], kvcache=core["cache"],
                                      page_size=PAGE[4], indexer_kvcache=idx["cache"], indexer_out_loc=idx["out_loc"],
                                      indexer_page_size=PAGE[4], use_fp4=True, **_layout(core["fmt"]))], caches, 1)
-        fused = getattr(api, "compress_and_store", None) is not None  # else two launches a compressor
-        return Bound([self._compressor_call(api, p, plan) for p in parts], caches, len(parts) * (1 if fused else 2))
+        fused = getattr(api, "compress_and_store", None)  # else two launches a compressor
+        return Bound([self._compressor_call(api, fused, p, plan) for p in parts], caches,
+                     len(parts) * (1 if fused is not None else 2))
 
-    def _compressor_call(self, api, p: dict, plan):
+    def _compressor_call(self, api, fused, p: dict, plan):
+        """A compressor's step: `fused` (api's compress_and_store) where the API has it, else its two calls."""
         store = dict(norm_weight=p["weight"], norm_eps=EPS, freq_cis=self.freq, out_loc=p["out_loc"],
                      kvcache=p["cache"], page_size=PAGE[self.ratio], use_fp4=p["fmt"] == "indexer_fp4",
                      **_layout(p["fmt"]))
         op = dict(head_dim=p["hd"], compress_ratio=self.ratio, **({"is_online": True} if self.online else {}))
-        fused = getattr(api, "compress_and_store", None)
         if fused is not None:
             return lambda: fused(p["state"], p["input"], p["ape"], plan, **op, **store)
         rows = torch.empty(plan[1].shape[0], p["hd"], device=self.batch.device)  # plan[1]: its rows, in both APIs
