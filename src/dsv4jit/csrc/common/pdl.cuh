@@ -1,8 +1,9 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with the PDL attribute may start
 // before its predecessor finishes, so it must wait before reading anything produced upstream
 // (plans included); before that wait it reads only what no running kernel writes (an L2 prefetch
-// reads nothing into the kernel, so it may go first). It may let its own dependents start early,
-// once it has waited itself (then everything before it is complete).
+// reads nothing into the kernel, so it may go first, and so may a hint: a plan or metadata entry
+// read only to aim such a prefetch and read again after the wait). It may let its own dependents
+// start early, once it has waited itself (then everything before it is complete).
 #pragma once
 
 #include "types.cuh"

@@ -18,6 +18,7 @@
 // the RMSNorm of bf(pooled) (row.cuh).
 #pragma once
 
+#include "common/async_copy.cuh"
 #include "common/exact.cuh"
 #include "common/pdl.cuh"
 #include "entry.h"
@@ -89,36 +90,74 @@ DSV4_DEV int64_t ring_row(const Params& p, int64_t rid, int64_t position) {
 
 DSV4_DEV const float* input_row(const Params& p, uint64_t row) { return static_cast<const float*>(p.kv) + row * kPairRow; }
 
-/// Pools odd row `row` (meta `m`, its own dims `n`) with its partner's dims `o` (consumed), writes its
-/// latent to out and stores it. Every thread of the block calls it.
+/// Where a closing row's operands land, an entry per thread: its partner's dims and its RoPE pairs.
+struct ClosingStage {
+  Vec<float, 4> kv[kThreads], score[kThreads], rope[kThreads];
+};
+
+/// Pools odd row `row` (meta `m`, its own dims `n`) with its partner (at `partner`, or null: its dims
+/// in `o`), writes its latent to out and stores it. Every thread of the block calls it. The operands
+/// that the metadata locates (the partner's dims, the RoPE pairs) come as asynchronous copies that leave
+/// together: as plain loads the compiler issued the partner's kv half and the RoPE row only after the
+/// pooling's exp had waited for the score half, two more round trips. The pooling waits for the
+/// partner; only the store waits for the RoPE pairs.
 template <store::Format F>
 DSV4_DEV void close_pair(const Params& p, uint32_t row, const RowLane& t, const RowMeta& m, const PairDims& n,
-                         PairDims& o, const Dims& w, double (&partials)[kChunks]) {
-  const Vec<float, 4> rope = load_rope(p, t, m.position - 1);
+                         const float* partner, PairDims& o, const Dims& w, ClosingStage& stage,
+                         double (&partials)[kChunks]) {
+  const int i = threadIdx.x;  // each thread reads only the entries its own copies fill
+  if (partner != nullptr) {
+    cp_async<16>(&stage.kv[i], partner + t.dim);
+    cp_async<16>(&stage.score[i], partner + kHeadDim + t.dim);
+  }
+  const float* rope = rope_pairs(p, t, m.position - 1);
+  if (rope != nullptr) cp_async<16>(&stage.rope[i], rope);
+  if (partner != nullptr) {
+    cp_async_wait_all();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o.kv[c] = stage.kv[i][c], o.score[c] = stage.score[i][c];
+  }
   pool_pair(o, n);
   normalize_latent(p, t, o.kv, w, partials);
   write_out(p, row, t, o.kv);
   const int64_t loc = m.raw >> 1;
-  if (storable(p, loc, m.position - 1)) store_latent<F>(p, t, loc, rope, o.kv);
+  cp_async_wait_all();  // before any exit too: no copy lands after the block has left
+  if (!storable(p, loc, m.position - 1)) return;
+  store_latent<F>(p, t, loc, rope != nullptr ? stage.rope[i] : Vec<float, 4>{}, o.kv);
 }
 
-/// close_pair with the partner row at `partner`, loaded here.
-template <store::Format F>
-DSV4_DEV void close_pair_at(const Params& p, uint32_t row, const RowLane& t, const RowMeta& m, const PairDims& n,
-                            const float* partner, const Dims& w, double (&partials)[kChunks]) {
-  PairDims o;
-  load_pair(partner, t, o);
-  close_pair<F>(p, row, t, m, n, o, w, partials);
+/// Before the upstream wait, after prefetch_row: the block's last thread reads the row's position (and
+/// request) as hints and brings into L2 what the round trip after the metadata's reads for an odd row:
+/// its RoPE row (position - 1) and, with `ring_partner`, its partner's ring row. A hint is a volatile
+/// read, so that it is read again after the wait (never reused); a value the kernel before this one
+/// is still writing costs a prefetch of the wrong lines, nothing else. (In c1 the same hint made single
+/// decodes slower: its RoPE row is only needed by the store.)
+template <bool kPDL>
+DSV4_DEV void prefetch_closing(const Params& p, uint32_t row, bool ring_partner) {
+  if (!kPDL || threadIdx.x != kThreads - 1) return;
+  const int64_t position = p.pos64 ? static_cast<const volatile int64_t*>(p.positions)[row]
+                                   : static_cast<const volatile int32_t*>(p.positions)[row];
+  const int64_t rid = ring_partner ? static_cast<const volatile int64_t*>(p.req)[row] : 0;
+  if (position % 2 == 0) return;  // an even row stores nothing and reads no ring row
+  if (position - 1 >= 0 && position - 1 < p.s.max_pos) {
+    prefetch_l2_bulk(p.s.freq + (position - 1) * store::kRopeDim, store::kRopeDim * sizeof(float));
+  }
+  if (ring_partner && position - 1 >= 0 && rid >= 0 && rid < p.ring_rows) {
+    const int64_t r = rid * p.ring_size + ring_slot(position - 1, p.ring_size);  // ring_row, unreported
+    if (r < p.ring_rows) prefetch_l2_bulk(p.ring + r * kPairRow, kPairRow * sizeof(float));
+  }
 }
 
 /// Decode and target verify: a block per row.
 template <store::Format F, bool kPDL>
 __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_constant__ Params p) {
   __shared__ double partials[kChunks];
+  __shared__ ClosingStage stage;
   const RowLane t = RowLane::of_thread();
   const uint32_t row = blockIdx.x;
   const bool in_block = p.draft_len > 1 && row % p.draft_len != 0;
   prefetch_row<kPDL>(p, row, {input_row(p, row), in_block ? input_row(p, row - 1) : nullptr}, kPairRow * sizeof(float));
+  prefetch_closing<kPDL>(p, row, !in_block);
   Dims w;
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
@@ -137,11 +176,11 @@ __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_consta
     return;
   }
   if (in_block) {
-    close_pair<F>(p, row, t, m, own, partner, w, partials);
+    close_pair<F>(p, row, t, m, own, nullptr, partner, w, stage, partials);
     return;
   }
   const int64_t r = ring_row(p, m.rid, m.position - 1);
-  if (r >= 0) close_pair_at<F>(p, row, t, m, own, p.ring + r * kPairRow, w, partials);
+  if (r >= 0) close_pair<F>(p, row, t, m, own, p.ring + r * kPairRow, partner, w, stage, partials);
 }
 
 /// Whether the row before a row (`m`) is its partner: the same request, position - 1, not padding.
@@ -162,7 +201,9 @@ DSV4_DEV bool starts_a_request(const Params& p, uint32_t row) {
 template <store::Format F, bool kPDL>
 __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_constant__ Params p) {
   __shared__ double partials[kChunks];
+  __shared__ ClosingStage stage;
   const RowLane t = RowLane::of_thread();
+  PairDims partner;
   Dims w;
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
@@ -175,12 +216,12 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
     PairDims own;
     load_pair(input_row(p, row), t, own);
     if (is_partner(before, m)) {
-      close_pair_at<F>(p, row, t, m, own, input_row(p, row - 1), w, partials);
+      close_pair<F>(p, row, t, m, own, input_row(p, row - 1), partner, w, stage, partials);
       return;
     }
     if (starts_a_request(p, row)) return;  // its request's block pools it before the write-back
     const int64_t r = ring_row(p, m.rid, m.position - 1);
-    if (r >= 0) close_pair_at<F>(p, row, t, m, own, p.ring + r * kPairRow, w, partials);
+    if (r >= 0) close_pair<F>(p, row, t, m, own, p.ring + r * kPairRow, partner, w, stage, partials);
     return;
   }
   const uint32_t i = blockIdx.x - p.rows;
@@ -192,7 +233,7 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
     const int64_t r = ring_row(p, first.rid, first.position - 1);
     PairDims own;
     load_pair(input_row(p, start), t, own);
-    if (r >= 0) close_pair_at<F>(p, start, t, first, own, p.ring + r * kPairRow, w, partials);
+    if (r >= 0) close_pair<F>(p, start, t, first, own, p.ring + r * kPairRow, partner, w, stage, partials);
   }
   for (int64_t k = len > p.ring_size ? len - p.ring_size : 0; k < len; ++k) {  // the write-back
     const RowMeta m = meta(p, start + k);

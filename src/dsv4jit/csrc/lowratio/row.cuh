@@ -63,14 +63,17 @@ DSV4_DEV void load_weight(const Params& p, const RowLane& t, Dims& w) {
   for (int c = 0; c < 4; ++c) w[c] = to_f32(v[c]);
 }
 
-/// The (cos, sin) pairs of the thread's rope dims at `position` (zeros elsewhere and for a position
-/// outside the table, whose row is not stored).
+/// The thread's (cos, sin) pairs of the RoPE row at `position`, or null for a thread without rope dims
+/// and for a position outside the table (whose row is not stored).
+DSV4_DEV const float* rope_pairs(const Params& p, const RowLane& t, int64_t position) {
+  if (!t.rope() || position < 0 || position >= p.s.max_pos) return nullptr;
+  return p.s.freq + position * store::kRopeDim + 4 * (t.lane - kRopeLane);
+}
+
+/// rope_pairs' values (zeros where it gives none).
 DSV4_DEV Vec<float, 4> load_rope(const Params& p, const RowLane& t, int64_t position) {
-  Vec<float, 4> f{};
-  if (t.rope() && position >= 0 && position < p.s.max_pos) {
-    f = load_vec<4>(p.s.freq + position * store::kRopeDim + 4 * (t.lane - kRopeLane));
-  }
-  return f;
+  const float* f = rope_pairs(p, t, position);
+  return f != nullptr ? load_vec<4>(f) : Vec<float, 4>{};
 }
 
 /// The row's latent, in place: RMSNorm with the weights `w`, each value rounded to bf16 (exact in x).
