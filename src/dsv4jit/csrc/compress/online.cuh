@@ -20,6 +20,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include "common/async_copy.cuh"
 #include "common/launch.cuh"
 #include "common/pdl.cuh"
 #include "common/plan_structs.h"
@@ -83,8 +84,20 @@ struct Kernels {
   /// (this compressor's, or the speculative-decoding ops' of online_mtp.cuh).
   template <int C, typename P>
   static DSV4_DEV SoftmaxPartial<C> load_state(const P& p, int64_t row, int channel) {
-    const BufferT* src = static_cast<const BufferT*>(p.state) + row * 3 * kHeadDim + channel;
-    const Vec<BufferT, C> m = load_vec<C>(src), s = load_vec<C>(src + kHeadDim), k = load_vec<C>(src + 2 * kHeadDim);
+    const BufferT* src = state_values(p, row, channel);
+    return state_partial<C>(load_vec<C>(src), load_vec<C>(src + kHeadDim), load_vec<C>(src + 2 * kHeadDim));
+  }
+
+  /// Where a lane's channels of state row `row` begin (m; s and k follow a head dim apart each).
+  template <typename P>
+  static DSV4_DEV const BufferT* state_values(const P& p, int64_t row, int channel) {
+    return static_cast<const BufferT*>(p.state) + row * 3 * kHeadDim + channel;
+  }
+
+  /// The partial {m, s, k·s} of a state row's values.
+  template <int C>
+  static DSV4_DEV SoftmaxPartial<C> state_partial(const Vec<BufferT, C>& m, const Vec<BufferT, C>& s,
+                                                  const Vec<BufferT, C>& k) {
     SoftmaxPartial<C> part;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -144,9 +157,20 @@ struct Kernels {
   static constexpr int kDecodeThreads = kDecodeUnitsPerBlock * kWarpSize;
   using DecodeLane = Lane<kDecodeC>;
 
+  /// A decode lane's operands, an entry per thread: its token (kv, score), the ape row at its chunk
+  /// offset and the stored state. They are staged through shared memory so that they leave together:
+  /// as plain loads the compiler issued the token's kv only after the state's sum and value had
+  /// arrived, a second round trip after the plan's.
+  struct DecodeOperands {
+    Vec<float, kDecodeC> kv, score, ape;
+    Vec<BufferT, kDecodeC> m, s, k;
+  };
+
   template <typename Sink>
   static DSV4_DEV void decode(const Params& p, Sink& sink) {
     constexpr int C = kDecodeC;
+    constexpr int kStateBytes = sizeof(Vec<BufferT, C>);
+    __shared__ DecodeOperands staged[kDecodeThreads];
     const DecodeLane lane = DecodeLane::of(kDecodeUnitsPerBlock, 1);
     pdl_wait_upstream<kPDL>();  // plans and inputs may come from the kernels just before
     if (lane.row >= p.num_rows) return;
@@ -157,17 +181,30 @@ struct Kernels {
     sink.prepare(lane);
     float out[C] = {};  // non-emitting rows are zero-filled
     if (ok) {
-      SoftmaxPartial<C> token;
-      load_token<C>(p, lane.row, offset, lane.channel, token.acc, token.max);
-      SoftmaxPartial<C> state;
-      if (load) state = load_state<C>(p, plan.read_page_0, lane.channel);
-      pdl_launch_dependents<kPDL>();
-#pragma unroll
-      for (int c = 0; c < C; ++c) token.sum[c] = 1.0f;  // {m = z, s = 1, acc = kv}: the reset state
+      DecodeOperands& op = staged[threadIdx.x];
+      const float* token = p.input + uint64_t{lane.row} * 2 * kHeadDim + lane.channel;
+      cp_async<16>(&op.kv, token);
+      cp_async<16>(&op.score, token + kHeadDim);
+      cp_async<16>(&op.ape, p.ape + offset * kHeadDim + lane.channel);
       if (load) {
-        merge_into(state, token);
-      } else {
-        state = token;
+        const BufferT* src = state_values(p, plan.read_page_0, lane.channel);
+        cp_async<kStateBytes>(&op.m, src);
+        cp_async<kStateBytes>(&op.s, src + kHeadDim);
+        cp_async<kStateBytes>(&op.k, src + 2 * kHeadDim);
+      }
+      cp_async_wait_all();  // each thread reads only its own entry
+      pdl_launch_dependents<kPDL>();
+      SoftmaxPartial<C> token_state;  // {m = z, s = 1, acc = kv}: the reset state
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        token_state.max[c] = op.score[c] + op.ape[c];
+        token_state.sum[c] = 1.0f;
+        token_state.acc[c] = op.kv[c];
+      }
+      SoftmaxPartial<C> state = token_state;
+      if (load) {
+        state = state_partial<C>(op.m, op.s, op.k);
+        merge_into(state, token_state);
       }
       if (emit) {
 #pragma unroll
