@@ -137,16 +137,28 @@ struct Kernels {
   template <int C, typename P>
   static DSV4_DEV void load_token_scores(const P& p, int64_t ragged_row, int channel, float (&kv)[C],
                                          float (&score)[C]) {
-    const float* row = p.input + ragged_row * 2 * kHeadDim + channel;
+    const float* row = token_values(p, ragged_row, channel);
     const Vec<float, C> k = load_vec<C>(row), sc = load_vec<C>(row + kHeadDim);
 #pragma unroll
     for (int c = 0; c < C; ++c) kv[c] = k[c], score[c] = sc[c];
   }
 
+  /// Where a lane's channels of input token `ragged_row` begin (kv; its score a head dim after).
+  template <typename P>
+  static DSV4_DEV const float* token_values(const P& p, int64_t ragged_row, int channel) {
+    return p.input + ragged_row * 2 * kHeadDim + channel;
+  }
+
+  /// Where a lane's channels of ape row `offset` begin.
+  template <typename P>
+  static DSV4_DEV const float* ape_values(const P& p, int offset, int channel) {
+    return p.ape + offset * kHeadDim + channel;
+  }
+
   /// score -> z = score + ape[offset].
   template <int C, typename P>
   static DSV4_DEV void add_ape(const P& p, int offset, int channel, float (&z)[C]) {
-    const Vec<float, C> bias = load_vec<C>(p.ape + offset * kHeadDim + channel);
+    const Vec<float, C> bias = load_vec<C>(ape_values(p, offset, channel));
 #pragma unroll
     for (int c = 0; c < C; ++c) z[c] += bias[c];
   }
@@ -182,10 +194,10 @@ struct Kernels {
     float out[C] = {};  // non-emitting rows are zero-filled
     if (ok) {
       DecodeOperands& op = staged[threadIdx.x];
-      const float* token = p.input + uint64_t{lane.row} * 2 * kHeadDim + lane.channel;
+      const float* token = token_values(p, lane.row, lane.channel);
       cp_async<16>(&op.kv, token);
       cp_async<16>(&op.score, token + kHeadDim);
-      cp_async<16>(&op.ape, p.ape + offset * kHeadDim + lane.channel);
+      cp_async<16>(&op.ape, ape_values(p, offset, lane.channel));
       if (load) {
         const BufferT* src = state_values(p, plan.read_page_0, lane.channel);
         cp_async<kStateBytes>(&op.m, src);

@@ -126,6 +126,14 @@ DSV4_DEV void close_pair(const Params& p, uint32_t row, const RowLane& t, const 
   store_latent<F>(p, t, loc, rope != nullptr ? stage.rope[i] : Vec<float, 4>{}, o.kv);
 }
 
+/// close_pair with the partner row at `partner` (its dims copied into a local).
+template <store::Format F>
+DSV4_DEV void close_pair_at(const Params& p, uint32_t row, const RowLane& t, const RowMeta& m, const PairDims& n,
+                            const float* partner, const Dims& w, ClosingStage& stage, double (&partials)[kChunks]) {
+  PairDims o;
+  close_pair<F>(p, row, t, m, n, partner, o, w, stage, partials);
+}
+
 /// Before the upstream wait, after prefetch_row: the block's last thread reads the row's position (and
 /// request) as hints and brings into L2 what the round trip after the metadata's reads for an odd row:
 /// its RoPE row (position - 1) and, with `ring_partner`, its partner's ring row. A hint is a volatile
@@ -180,6 +188,8 @@ __global__ __launch_bounds__(kThreads) void c2_decode_kernel(const __grid_consta
     return;
   }
   const int64_t r = ring_row(p, m.rid, m.position - 1);
+  // the ring partner's dims land in `partner`, unused on this path (close_pair_at's local compiles this
+  // kernel to other code)
   if (r >= 0) close_pair<F>(p, row, t, m, own, p.ring + r * kPairRow, partner, w, stage, partials);
 }
 
@@ -203,7 +213,6 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
   __shared__ double partials[kChunks];
   __shared__ ClosingStage stage;
   const RowLane t = RowLane::of_thread();
-  PairDims partner;
   Dims w;
   load_weight(p, t, w);
   pdl_wait_upstream<kPDL>();
@@ -216,12 +225,12 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
     PairDims own;
     load_pair(input_row(p, row), t, own);
     if (is_partner(before, m)) {
-      close_pair<F>(p, row, t, m, own, input_row(p, row - 1), partner, w, stage, partials);
+      close_pair_at<F>(p, row, t, m, own, input_row(p, row - 1), w, stage, partials);
       return;
     }
     if (starts_a_request(p, row)) return;  // its request's block pools it before the write-back
     const int64_t r = ring_row(p, m.rid, m.position - 1);
-    if (r >= 0) close_pair<F>(p, row, t, m, own, p.ring + r * kPairRow, partner, w, stage, partials);
+    if (r >= 0) close_pair_at<F>(p, row, t, m, own, p.ring + r * kPairRow, w, stage, partials);
     return;
   }
   const uint32_t i = blockIdx.x - p.rows;
@@ -233,7 +242,7 @@ __global__ __launch_bounds__(kThreads) void c2_prefill_kernel(const __grid_const
     const int64_t r = ring_row(p, first.rid, first.position - 1);
     PairDims own;
     load_pair(input_row(p, start), t, own);
-    if (r >= 0) close_pair<F>(p, start, t, first, own, p.ring + r * kPairRow, partner, w, stage, partials);
+    if (r >= 0) close_pair_at<F>(p, start, t, first, own, p.ring + r * kPairRow, w, stage, partials);
   }
   for (int64_t k = len > p.ring_size ? len - p.ring_size : 0; k < len; ++k) {  // the write-back
     const RowMeta m = meta(p, start + k);
